@@ -1,0 +1,173 @@
+"""Model configuration: one frozen, hashable dataclass read from a Hugging Face `config.json`.
+
+Reads both spellings of the RoPE settings: `rope_scaling` + `rope_theta` (transformers 4.x) and
+`rope_parameters` (what transformers 5's `save_pretrained` writes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """RoPE settings, normalised from either HF spelling. Tuples keep the dataclass hashable."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    attention_factor: float | None = None
+    # llama3
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    # yarn
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # longrope
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only model. Static under `jit` (hashable)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2: True)
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    fused_qkv: bool = False  # Phi-3's qkv_proj
+    fused_gate_up: bool = False  # Phi-3's gate_up_proj
+    sliding_window: int | None = None
+    rope: RopeConfig = RopeConfig()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from the parsed `config.json` of a Llama, Mistral, Qwen2 or Phi-3 checkpoint."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unknown model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in hf:
+                raise ValueError(f"config.json of a {model_type} model lacks the required field {key!r}")
+        num_heads = hf["num_attention_heads"]
+        num_kv_heads = hf.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        is_phi3 = model_type == "phi3"
+        sliding_window = hf.get("sliding_window") if model_type in ("mistral", "phi3", "qwen2") else None
+        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+            sliding_window = None
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            hidden_act=hf.get("hidden_act", "silu"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            o_proj_bias=bool(hf.get("attention_bias", False)) and model_type != "qwen2",
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            fused_qkv=is_phi3,
+            fused_gate_up=is_phi3,
+            sliding_window=sliding_window,
+            rope=_rope_config(hf, head_dim),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"no config.json in {os.fspath(path)!r}")
+        with open(config_path) as f:
+            return cls.from_hf_dict(json.load(f))
+
+
+def _rope_config(hf: dict[str, Any], head_dim: int) -> RopeConfig:
+    """Normalise `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (4.x)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "su":  # early Phi-3 configs
+        rope_type = "longrope"
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0
+    original = params.get("original_max_position_embeddings")
+    if rope_type == "longrope" and hf.get("original_max_position_embeddings") is not None:
+        # Phi-3 keeps the pretraining length outside the rope dict, and transformers gives it priority.
+        original = hf["original_max_position_embeddings"]
+    if rope_type in ("llama3", "yarn", "longrope") and original is None:
+        original = hf.get("max_position_embeddings")
+
+    def tup(x):
+        return None if x is None else tuple(float(v) for v in x)
+
+    rope = RopeConfig(
+        rope_type=rope_type,
+        theta=float(theta),
+        partial_rotary_factor=float(partial),
+        factor=None if params.get("factor") is None else float(params["factor"]),
+        original_max_position_embeddings=None if original is None else int(original),
+        attention_factor=params.get("attention_factor"),
+        low_freq_factor=params.get("low_freq_factor"),
+        high_freq_factor=params.get("high_freq_factor"),
+        beta_fast=params.get("beta_fast"),
+        beta_slow=params.get("beta_slow"),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+        short_factor=tup(params.get("short_factor")),
+        long_factor=tup(params.get("long_factor")),
+    )
+    rotary_dim = int(head_dim * rope.partial_rotary_factor)
+    for name in ("short_factor", "long_factor"):
+        factors = getattr(rope, name)
+        if factors is not None and len(factors) != rotary_dim // 2:
+            raise ValueError(f"rope {name} has {len(factors)} entries; expected rotary_dim/2 = {rotary_dim // 2}")
+    return rope

@@ -1,0 +1,340 @@
+"""Jit-compiled chunked prefill and decode over the paged KV state, and the public generation API.
+
+One step function serves both: it appends a chunk of tokens `[B, C]` (C = chunk size for prefill, 1 for
+decode) to every layer's pages and attends over them. Shapes are static (chunk size, capacity, page size);
+lengths are arrays, so decoding never recompiles. The state is donated to each step.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.attention import dense_causal_attention, paged_attention
+from kvjax.config import ModelConfig
+from kvjax.loading import Model
+from kvjax.models import CausalLM
+from kvjax.policies import FullPolicy, Policy
+from kvjax.rope import rope_frequencies, uses_long_factors
+from kvjax.sampling import sample_tokens, validate_sampling
+from kvjax.state import (
+    KVState,
+    allocate_for_append,
+    append_to_layer,
+    check_capacity,
+    init_state,
+    overflow_error,
+    pages_for,
+)
+
+# How many times each jitted function was traced (i.e. compiled), by name and input shape. Tests use it to
+# show that decode does not recompile as it goes.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+DEFAULT_CHUNK_SIZE = 512
+
+
+# ----------------------------------------------------------------------------------------------- steps
+
+
+def _rope(cfg: ModelConfig, long_rope: bool):
+    return rope_frequencies(cfg, long_rope)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "policy"), donate_argnames=("state",))
+def _append_step(params, state: KVState, tokens, num_new, last_logits, *, cfg: ModelConfig, dtype, policy: Policy):
+    """Append `tokens int32[B, C]` (the first `num_new[b]` of each row are real) and attend.
+
+    Returns the state and logits f32[B, V] at each row's last real token (`last_logits` where num_new is 0).
+    """
+    B, C = tokens.shape
+    TRACE_COUNTS[("append_step", B, C)] += 1
+    positions = state.next_position[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    state, ok = allocate_for_append(state, num_new, C)
+    num_new = jnp.where(ok, num_new, 0)
+
+    def attend(layer, inputs, state):
+        state = append_to_layer(state, layer, inputs.k, inputs.v, inputs.positions, num_new)
+        return paged_attention(inputs.q, inputs.positions, state, layer), state
+
+    module = CausalLM(cfg, dtype)
+    rope = _rope(cfg, state.long_rope)
+    hidden, state = module.apply({"params": params}, tokens, positions, rope, attend, state)
+    last = jnp.clip(num_new - 1, 0, C - 1)
+    last_hidden = hidden[jnp.arange(B), last]  # [B, hidden]
+    logits = module.apply({"params": params}, last_hidden, method=CausalLM.logits)
+    logits = jnp.where((num_new > 0)[:, None], logits, last_logits)
+    return state.replace(next_position=state.next_position + num_new), logits
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "long_rope"))
+def _dense_logits(params, tokens, *, cfg: ModelConfig, dtype, long_rope: bool):
+    B, T = tokens.shape
+    TRACE_COUNTS[("dense_logits", B, T)] += 1
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+    def attend(layer, inputs, carry):
+        return dense_causal_attention(inputs.q, inputs.k, inputs.v), carry
+
+    module = CausalLM(cfg, dtype)
+    logits, _ = module.apply(
+        {"params": params}, tokens, positions, _rope(cfg, long_rope), attend, None, method=CausalLM.hidden_and_logits
+    )
+    return logits
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
+def _sample(logits, key, *, temperature, top_k, top_p):
+    return sample_tokens(logits, key, temperature, top_k, top_p)
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def as_token_lists(prompt_ids, vocab_size: int, name: str = "prompt_ids") -> list[np.ndarray]:
+    """Validate prompts given as an int array `[B, T]` or a list of token lists (ragged)."""
+    if isinstance(prompt_ids, (np.ndarray, jax.Array)):
+        array = np.asarray(prompt_ids)
+        if array.ndim == 1:
+            array = array[None, :]
+        if array.ndim != 2:
+            raise ValueError(f"{name} must be [batch, length] or a list of token lists, got shape {array.shape}")
+        rows = list(array)
+    else:
+        rows = [np.asarray(list(r) if not isinstance(r, np.ndarray) else r) for r in prompt_ids]
+    if not rows:
+        raise ValueError(f"{name} is empty: give at least one prompt")
+    out = []
+    for i, row in enumerate(rows):
+        if row.size == 0:
+            raise ValueError(f"{name}[{i}] is empty: every prompt needs at least one token")
+        if not np.issubdtype(row.dtype, np.integer):
+            raise ValueError(f"{name}[{i}] must hold integer token ids, got dtype {row.dtype}")
+        bad = np.flatnonzero((row < 0) | (row >= vocab_size))
+        if bad.size:
+            raise ValueError(
+                f"{name}[{i}] has token id {int(row[bad[0]])} at position {int(bad[0])} outside the vocabulary "
+                f"[0, {vocab_size})"
+            )
+        out.append(row.astype(np.int32))
+    return out
+
+
+def _chunk_size_for(longest: int, chunk_size: int) -> int:
+    """A power-of-two chunk no larger than needed (few compiles for short prompts)."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    bucket = 16
+    while bucket < min(longest, chunk_size):
+        bucket *= 2
+    return min(bucket, chunk_size)
+
+
+def _policy_or_full(policy: Policy | None) -> Policy:
+    if policy is None:
+        return FullPolicy()
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a kvjax Policy (see kvjax.make_policy), got {type(policy).__name__}")
+    return policy
+
+
+# --------------------------------------------------------------------------------------------- API
+
+
+def forward_logits(model: Model, tokens) -> jax.Array:
+    """Dense causal forward with no cache: `tokens int[B, T]` -> logits `f32[B, T, V]`."""
+    rows = as_token_lists(tokens, model.cfg.vocab_size, "tokens")
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError("forward_logits takes equal-length rows; pad them or call it once per row")
+    array = jnp.asarray(np.stack(rows))
+    long_rope = uses_long_factors(model.cfg, array.shape[1])
+    return _dense_logits(model.params, array, cfg=model.cfg, dtype=model.dtype, long_rope=long_rope)
+
+
+def _prefill_rows(
+    model: Model,
+    rows: list[np.ndarray],
+    policy: Policy,
+    page_size: int,
+    capacity: int,
+    chunk_size: int,
+    declared_length: int,
+    reserve_tokens: int,
+) -> tuple[KVState, jax.Array]:
+    cfg = model.cfg
+    policy.validate(page_size)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    B, longest = len(rows), int(lengths.max())
+    per_head = max(policy.slots_needed(int(n), reserve_tokens, chunk_size) for n in lengths)
+    state_max_pages = pages_for(capacity, page_size)
+    total = sum(
+        cfg.num_layers * cfg.num_kv_heads * pages_for(policy.slots_needed(int(n), reserve_tokens, chunk_size), page_size)
+        for n in lengths
+    )
+    check_capacity(pages_for(per_head, page_size), total, state_max_pages, cfg.num_layers * B * cfg.num_kv_heads * state_max_pages)
+
+    state = init_state(
+        cfg, B, capacity, page_size, dtype=model.dtype, long_rope=uses_long_factors(cfg, declared_length)
+    )
+    C = _chunk_size_for(longest, chunk_size)
+    num_chunks = -(-longest // C)
+    padded = np.zeros((B, num_chunks * C), np.int32)
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = row
+    logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+    for i in range(num_chunks):
+        num_new = np.clip(lengths - i * C, 0, C).astype(np.int32)
+        state, logits = _append_step(
+            model.params, state, jnp.asarray(padded[:, i * C : (i + 1) * C]), jnp.asarray(num_new), logits,
+            cfg=cfg, dtype=model.dtype, policy=policy,
+        )
+    error = overflow_error(state)
+    if error is not None:
+        raise error
+    return state, logits
+
+
+def prefill(
+    model: Model,
+    prompt_ids,
+    policy: Policy | None = None,
+    *,
+    page_size: int = 16,
+    capacity: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    max_new_tokens: int = 256,
+) -> tuple[KVState, jax.Array]:
+    """Chunked prefill of `prompt_ids` (int `[B, T]` or ragged token lists) into a new paged state.
+
+    Returns `(state, logits f32[B, V])`: logits at each prompt's last token. `capacity` (tokens per layer and
+    head) defaults to the longest prompt plus `max_new_tokens`, the room left for `decode_step`.
+    """
+    policy = _policy_or_full(policy)
+    rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
+    longest = max(len(r) for r in rows)
+    capacity = longest + max_new_tokens if capacity is None else capacity
+    return _prefill_rows(model, rows, policy, page_size, capacity, chunk_size, capacity, max_new_tokens)
+
+
+def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None = None) -> tuple[jax.Array, KVState]:
+    """Append one token per sequence (`token_ids int[B]`) and return `(logits f32[B, V], state)`.
+
+    The input state is donated (its buffers are reused); use the returned one. Raises `CacheCapacityError`
+    when the cache is full.
+    """
+    policy = _policy_or_full(policy)
+    tokens = np.asarray(token_ids, np.int32).reshape(-1)
+    B = state.next_position.shape[0]
+    if tokens.shape[0] != B:
+        raise ValueError(f"token_ids has {tokens.shape[0]} entries but the state holds {B} sequences")
+    as_token_lists(tokens[:, None], model.cfg.vocab_size, "token_ids")
+    logits, state = _decode(model, state, jnp.asarray(tokens), policy)
+    error = overflow_error(state)
+    if error is not None:
+        raise error
+    return logits, state
+
+
+def _decode(model: Model, state: KVState, tokens: jax.Array, policy: Policy) -> tuple[jax.Array, KVState]:
+    B = tokens.shape[0]
+    state, logits = _append_step(
+        model.params, state, tokens[:, None], jnp.ones((B,), jnp.int32), jnp.zeros((B, model.cfg.vocab_size), jnp.float32),
+        cfg=model.cfg, dtype=model.dtype, policy=policy,
+    )
+    return logits, state
+
+
+def generate(
+    model: Model,
+    prompt_ids,
+    max_new_tokens: int = 8,
+    policy: Policy | None = None,
+    *,
+    decode_last: int = 0,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    page_size: int = 16,
+    capacity: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    eos_token_id: int | Sequence[int] | None = None,
+    return_logprobs: bool = False,
+):
+    """Generate up to `max_new_tokens` per prompt. Returns `int32[B, max_new_tokens]`, -1 after a sequence's
+    EOS (the EOS token itself is kept), and with `return_logprobs=True` also `f32[B, max_new_tokens]` (the
+    chosen tokens' log-probabilities under the model, NaN where the token is -1).
+
+    `decode_last=N` prefills all but the last N prompt tokens and feeds those N one at a time as decode
+    steps (Quest's protocol: the question arrives after compression). `eos_token_id` defaults to the model's.
+    """
+    policy = _policy_or_full(policy)
+    validate_sampling(temperature, top_k, top_p)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
+    shortest, longest = min(len(r) for r in rows), max(len(r) for r in rows)
+    if not 0 <= decode_last < shortest:
+        raise ValueError(f"decode_last must be in [0, shortest prompt length {shortest}), got {decode_last}")
+    needed = longest + max_new_tokens
+    capacity = needed if capacity is None else capacity
+    if capacity < needed and type(policy).slots_needed is Policy.slots_needed:
+        raise_capacity(needed, capacity, page_size)
+    eos = model.eos_token_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
+
+    state, logits = _prefill_rows(
+        model, [r[: len(r) - decode_last] for r in rows], policy, page_size, capacity, chunk_size, needed,
+        max_new_tokens + decode_last,
+    )
+    for j in range(decode_last):
+        step_tokens = jnp.asarray([r[len(r) - decode_last + j] for r in rows], jnp.int32)
+        logits, state = _decode(model, state, step_tokens, policy)
+
+    B = len(rows)
+    out = np.full((B, max_new_tokens), -1, np.int32)
+    out_logprobs = np.full((B, max_new_tokens), np.nan, np.float32)
+    done = np.zeros(B, bool)
+    key = jax.random.PRNGKey(seed)
+    eos_array = np.asarray(eos, np.int32)
+    for t in range(max_new_tokens):
+        key, step_key = jax.random.split(key)
+        tokens, logprobs = _sample(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)
+        tokens_host, logprobs_host = np.asarray(tokens), np.asarray(logprobs)
+        out[~done, t] = tokens_host[~done]
+        out_logprobs[~done, t] = logprobs_host[~done]
+        done |= np.isin(tokens_host, eos_array)
+        if done.all() or t == max_new_tokens - 1:
+            break
+        logits, state = _decode(model, state, tokens, policy)
+    error = overflow_error(state)
+    if error is not None:
+        raise error
+    return (out, out_logprobs) if return_logprobs else out
+
+
+def raise_capacity(needed_tokens: int, capacity: int, page_size: int):
+    from kvjax.state import CacheCapacityError
+
+    raise CacheCapacityError(
+        f"prompt plus max_new_tokens needs {needed_tokens} tokens ({pages_for(needed_tokens, page_size)} pages "
+        f"per layer and head) but capacity is {capacity} tokens ({pages_for(capacity, page_size)} pages)",
+        pages_for(needed_tokens, page_size),
+        pages_for(capacity, page_size),
+    )
+
+
+def generate_text(model: Model, prompt: str | Sequence[str], max_new_tokens: int = 32, policy: Policy | None = None, **kwargs) -> Any:
+    """Tokenize with `model.tokenizer`, generate, and decode. Returns a string (or a list for a list)."""
+    if model.tokenizer is None:
+        raise ValueError("this model has no tokenizer (no tokenizer.json beside its weights); use generate()")
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    ids = [model.tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    out = generate(model, ids, max_new_tokens, policy, **kwargs)
+    tokens = out[0] if isinstance(out, tuple) else out
+    texts = [model.tokenizer.decode([int(t) for t in row if t >= 0], skip_special_tokens=True) for row in tokens]
+    return texts[0] if isinstance(prompt, str) else texts

@@ -1,0 +1,136 @@
+"""Load a model from a local Hugging Face directory: config.json, safetensors (single or sharded), tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig
+from kvjax.models import CausalLM
+from kvjax.models.convert import CheckpointError, params_from_hf
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: its config, parameters (a pytree), the Flax module and the tokenizer (or None)."""
+
+    cfg: ModelConfig
+    params: Any
+    tokenizer: Any = None
+    dtype: Any = jnp.float32
+
+    @property
+    def module(self) -> CausalLM:
+        return CausalLM(self.cfg, self.dtype)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.cfg.eos_token_ids)
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+
+def resolve_dtype(dtype) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    return jnp.dtype(dtype).type if dtype is not None else jnp.float32
+
+
+def param_shapes(cfg: ModelConfig, dtype) -> Any:
+    """The parameter tree's shapes, without allocating (`jax.eval_shape` of `init`)."""
+    module = CausalLM(cfg, dtype)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+
+    def attend(layer_index, inputs, carry):
+        return jnp.repeat(inputs.v, cfg.group_size, axis=2), carry
+
+    def init():
+        return module.init(
+            jax.random.PRNGKey(0), tokens, tokens, _dummy_rope(cfg), attend, None, method=CausalLM.hidden_and_logits
+        )
+
+    return jax.eval_shape(init)["params"]
+
+
+def _dummy_rope(cfg: ModelConfig):
+    return np.ones(cfg.rotary_dim // 2, np.float32), 1.0
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype="float32", std: float = 0.02) -> Any:
+    """Random parameters (normal, std 0.02; norms at 1), for tests and benchmarks."""
+    dtype = resolve_dtype(dtype)
+    shapes = param_shapes(cfg, dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    out = []
+    for key, (path, spec) in zip(keys, leaves):
+        if path[-1].key == "scale":
+            out.append(jnp.ones(spec.shape, dtype))
+        else:
+            out.append((jax.random.normal(key, spec.shape, jnp.float32) * std).astype(dtype))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), out)
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, Any]:
+    """All tensors of a local checkpoint directory: `model.safetensors.index.json` shards, or `*.safetensors`."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, name) for name in files]
+        absent = [f for f in files if not os.path.isfile(f)]
+        if absent:
+            raise CheckpointError(f"shards named in {index} are missing: {', '.join(absent)}")
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path!r}")
+    tensors: dict[str, Any] = {}
+    for file in files:
+        with safe_open(file, framework="flax") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer saved beside the weights, or None when there is none."""
+    path = os.fspath(path)
+    if not any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(path: str | os.PathLike, dtype="float32") -> Model:
+    """Load `config.json`, safetensors weights and the tokenizer from a local HF directory.
+
+    `dtype` ("float32", "bfloat16", "float16") is the parameter and compute dtype; attention softmax and
+    logits are float32. Raises `CheckpointError` naming missing, unexpected or mis-shaped tensors.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"model directory {path!r} does not exist (kvjax loads local Hugging Face directories; "
+            "download hub models with `huggingface-cli download` first)"
+        )
+    cfg = ModelConfig.from_pretrained(path)
+    dtype = resolve_dtype(dtype)
+    params = params_from_hf(cfg, read_safetensors(path), param_shapes(cfg, dtype), dtype)
+    return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(path), dtype=dtype)

@@ -1,0 +1,254 @@
+"""The paged KV state: an immutable pytree of single-head pages, page tables and allocation bookkeeping.
+
+One page holds `page_size` consecutive cache slots of one kv-head of one layer. Page tables map
+(layer, sequence, kv-head, logical page) to a physical page of one shared pool, so layers and heads may
+hold different numbers of pages (uneven budgets free real memory). Pages are allocated inside `jit` from a
+free stack. A step that cannot get the pages it needs writes nothing and records why in `overflow`; the
+host turns that into a `CacheCapacityError`. Nothing is ever written out of bounds or over a live page.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.config import ModelConfig
+
+# overflow[0] codes
+OVERFLOW_NONE, OVERFLOW_POOL, OVERFLOW_TABLE = 0, 1, 2
+
+
+class CacheCapacityError(RuntimeError):
+    """The KV cache cannot hold what a step or a request needs. Says how many pages were needed and free."""
+
+    def __init__(self, message: str, pages_needed: int, pages_available: int):
+        super().__init__(message)
+        self.pages_needed = pages_needed
+        self.pages_available = pages_available
+
+
+@struct.dataclass
+class KVState:
+    """Paged KV cache. N = num_pages, ps = page_size, D = head_dim, L = layers, B = batch, H = kv heads,
+    P = max logical pages per (layer, sequence, head)."""
+
+    k_pages: jax.Array  # [N, ps, D]   keys after RoPE, at their original positions
+    v_pages: jax.Array  # [N, ps, D]
+    kmin: jax.Array  # [N, D]        elementwise min of valid keys of the page (+inf when empty)
+    kmax: jax.Array  # [N, D]        elementwise max (-inf when empty)
+    slot_pos: jax.Array  # int32[N, ps]  original token position of each slot, -1 when empty
+    slot_score: jax.Array  # f32[N, ps]  a policy's per-slot score (H2O's running sum, Locret's CIS)
+    page_table: jax.Array  # int32[L, B, H, P]  physical page of each logical page, -1 when unallocated
+    lengths: jax.Array  # int32[L, B, H]  valid slots per (layer, sequence, head)
+    free_pages: jax.Array  # int32[N]  free stack: free_pages[:num_free] are free
+    num_free: jax.Array  # int32[]
+    refcount: jax.Array  # int32[N]  references to each page (0 = free)
+    next_position: jax.Array  # int32[B]  position of the next token of each sequence
+    overflow: jax.Array  # int32[3]  (code, pages needed, pages available) of the first failed step
+    long_rope: bool = struct.field(pytree_node=False, default=False)  # LongRoPE factor set, fixed at prefill
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.page_table.shape[-1]
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens one (layer, sequence, head) can hold."""
+        return self.max_pages * self.page_size
+
+
+def pages_for(num_slots, page_size: int):
+    """Pages that `num_slots` slots occupy (ceil division; works on ints and arrays)."""
+    return (num_slots + page_size - 1) // page_size
+
+
+def init_state(
+    cfg: ModelConfig,
+    batch: int,
+    capacity: int,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    dtype=jnp.float32,
+    long_rope: bool = False,
+) -> KVState:
+    """An empty state for `batch` sequences of up to `capacity` tokens per (layer, head).
+
+    `num_pages` defaults to what a full cache of that capacity needs (L * B * H * ceil(capacity/page_size));
+    bounded policies may ask for fewer.
+    """
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a positive power of two, got {page_size}")
+    if capacity <= 0:
+        raise ValueError(f"capacity must be positive, got {capacity}")
+    if batch <= 0:
+        raise ValueError(f"batch must be positive, got {batch}")
+    max_pages = pages_for(capacity, page_size)
+    L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    if num_pages is None:
+        num_pages = L * batch * H * max_pages
+    N = num_pages
+    return KVState(
+        k_pages=jnp.zeros((N, page_size, D), dtype),
+        v_pages=jnp.zeros((N, page_size, D), dtype),
+        kmin=jnp.full((N, D), jnp.inf, dtype),
+        kmax=jnp.full((N, D), -jnp.inf, dtype),
+        slot_pos=jnp.full((N, page_size), -1, jnp.int32),
+        slot_score=jnp.zeros((N, page_size), jnp.float32),
+        page_table=jnp.full((L, batch, H, max_pages), -1, jnp.int32),
+        lengths=jnp.zeros((L, batch, H), jnp.int32),
+        # Pop from the top: page 0 is handed out first.
+        free_pages=jnp.arange(N - 1, -1, -1, dtype=jnp.int32),
+        num_free=jnp.asarray(N, jnp.int32),
+        refcount=jnp.zeros((N,), jnp.int32),
+        next_position=jnp.zeros((batch,), jnp.int32),
+        overflow=jnp.zeros((3,), jnp.int32),
+        long_rope=long_rope,
+    )
+
+
+def allocate_for_append(state: KVState, num_new: jax.Array, max_new_tokens: int) -> tuple[KVState, jax.Array]:
+    """Allocate the pages every (layer, sequence, head) needs to append `num_new int32[B]` slots.
+
+    `max_new_tokens` is a static bound on `num_new`. Returns the state and `ok` (bool[]); when not ok no
+    page is taken, the page tables are unchanged and `state.overflow` records the first failure.
+    """
+    ps, N = state.page_size, state.num_pages
+    L, B, H, P = state.page_table.shape
+    used = pages_for(state.lengths, ps)  # [L, B, H]
+    new_used = pages_for(state.lengths + num_new[None, :, None], ps)
+    need = (new_used - used).reshape(-1)  # [L*B*H]
+    total = jnp.sum(need)
+    fits_table = jnp.all(new_used <= P)
+    fits_pool = total <= state.num_free
+    ok = fits_table & fits_pool
+
+    M = pages_for(max_new_tokens, ps) + 1  # most new pages one head can need
+    j = jnp.arange(M, dtype=jnp.int32)
+    rank = (jnp.cumsum(need) - need)[:, None] + j[None, :]  # [LBH, M] order of each request
+    take = (j[None, :] < need[:, None]) & ok
+    source = jnp.clip(state.num_free - 1 - rank, 0, N - 1)
+    page = jnp.where(take, state.free_pages[source], N)  # N = out of bounds, dropped by scatters
+    logical = jnp.where(take, used.reshape(-1)[:, None] + j[None, :], P)
+    rows = jnp.arange(L * B * H, dtype=jnp.int32)[:, None]
+    page_table = state.page_table.reshape(L * B * H, P).at[rows, logical].set(page, mode="drop")
+
+    page = page.reshape(-1)
+    code = jnp.where(fits_table, OVERFLOW_POOL, OVERFLOW_TABLE)
+    needed = jnp.where(fits_table, total, jnp.max(new_used))
+    available = jnp.where(fits_table, state.num_free, P)
+    first_failure = (~ok) & (state.overflow[0] == OVERFLOW_NONE)
+    overflow = jnp.where(first_failure, jnp.stack([code, needed, available]).astype(jnp.int32), state.overflow)
+    state = state.replace(
+        page_table=page_table.reshape(L, B, H, P),
+        num_free=jnp.where(ok, state.num_free - total, state.num_free),
+        refcount=state.refcount.at[page].set(1, mode="drop"),
+        kmin=state.kmin.at[page].set(jnp.inf, mode="drop"),
+        kmax=state.kmax.at[page].set(-jnp.inf, mode="drop"),
+        slot_pos=state.slot_pos.at[page].set(-1, mode="drop"),
+        slot_score=state.slot_score.at[page].set(0.0, mode="drop"),
+        overflow=overflow,
+    )
+    return state, ok
+
+
+def append_to_layer(
+    state: KVState, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array, num_new: jax.Array
+) -> KVState:
+    """Write the first `num_new[b]` tokens of `k, v [B, C, H, D]` (at `positions int32[B, C]`) after each
+    head's last slot of `layer`, and keep `kmin`/`kmax` exact. Pages must have been allocated."""
+    ps, N = state.page_size, state.num_pages
+    B, C, H, _ = k.shape
+    lengths = state.lengths[layer]  # [B, H]
+    c = jnp.arange(C, dtype=jnp.int32)
+    slot = lengths[:, None, :] + c[None, :, None]  # [B, C, H]
+    valid = c[None, :, None] < num_new[:, None, None]
+    logical = jnp.minimum(slot // ps, state.max_pages - 1)
+    b_idx = jnp.arange(B)[:, None, None]
+    h_idx = jnp.arange(H)[None, None, :]
+    page = state.page_table[layer][b_idx, h_idx, logical]
+    page = jnp.where(valid & (page >= 0), page, N)  # [B, C, H]
+    offset = slot % ps
+    k = k.astype(state.k_pages.dtype)
+    return state.replace(
+        k_pages=state.k_pages.at[page, offset].set(k, mode="drop"),
+        v_pages=state.v_pages.at[page, offset].set(v.astype(state.v_pages.dtype), mode="drop"),
+        kmin=state.kmin.at[page].min(k, mode="drop"),
+        kmax=state.kmax.at[page].max(k, mode="drop"),
+        slot_pos=state.slot_pos.at[page, offset].set(jnp.broadcast_to(positions[:, :, None], page.shape), mode="drop"),
+        lengths=state.lengths.at[layer].add(num_new[:, None]),
+    )
+
+
+def gather_layer(state: KVState, layer: int):
+    """One layer's slots in logical order: k, v `[B, H, S, D]`, slot positions `int32[B, H, S]` and a
+    validity mask `bool[B, H, S]` (S = max_pages * page_size). Reads every logical page of the table."""
+    pt = jnp.clip(state.page_table[layer], 0, state.num_pages - 1)  # [B, H, P]
+    B, H, P = pt.shape
+    S = P * state.page_size
+    k = state.k_pages[pt].reshape(B, H, S, -1)
+    v = state.v_pages[pt].reshape(B, H, S, -1)
+    pos = state.slot_pos[pt].reshape(B, H, S)
+    valid = jnp.arange(S, dtype=jnp.int32)[None, None, :] < state.lengths[layer][:, :, None]
+    return k, v, pos, valid
+
+
+def overflow_error(state: KVState) -> CacheCapacityError | None:
+    """The host-side error for a state whose step overflowed, or None. (Reads `overflow`: a device sync.)"""
+    code, needed, available = (int(x) for x in jax.device_get(state.overflow))
+    if code == OVERFLOW_NONE:
+        return None
+    if code == OVERFLOW_POOL:
+        msg = (
+            f"KV cache pool is full: a step needed {needed} new pages of {state.page_size} slots, "
+            f"{available} of {state.num_pages} were free"
+        )
+    else:
+        msg = (
+            f"a sequence outgrew its page table: it needed {needed} pages per (layer, head), capacity is "
+            f"{available} pages ({available * state.page_size} tokens); pass a larger capacity"
+        )
+    return CacheCapacityError(msg, needed, available)
+
+
+def check_capacity(pages_needed_per_head: int, total_pages_needed: int, state_max_pages: int, num_pages: int):
+    """Raise `CacheCapacityError` before any work when a request cannot fit."""
+    if pages_needed_per_head > state_max_pages:
+        raise CacheCapacityError(
+            f"request needs {pages_needed_per_head} pages per (layer, head) but capacity allows {state_max_pages}",
+            pages_needed_per_head,
+            state_max_pages,
+        )
+    if total_pages_needed > num_pages:
+        raise CacheCapacityError(
+            f"request needs {total_pages_needed} pages in all but the pool has {num_pages}",
+            total_pages_needed,
+            num_pages,
+        )
+
+
+def pages_in_use(state: KVState) -> int:
+    return int(state.num_pages - int(state.num_free))
+
+
+__all__ = [
+    "CacheCapacityError",
+    "KVState",
+    "allocate_for_append",
+    "append_to_layer",
+    "check_capacity",
+    "gather_layer",
+    "init_state",
+    "overflow_error",
+    "pages_for",
+    "pages_in_use",
+]
