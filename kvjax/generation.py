@@ -212,13 +212,15 @@ def prefill(
     """Chunked prefill of `prompt_ids` (int `[B, T]` or ragged token lists) into a new paged state.
 
     Returns `(state, logits f32[B, V])`: logits at each prompt's last token. `capacity` (tokens per layer and
-    head) defaults to the longest prompt plus `max_new_tokens`, the room left for `decode_step`.
+    head) defaults to the longest prompt plus `max_new_tokens`, the room left for `decode_step`; an explicit
+    capacity need only hold the prompts (decode raises `CacheCapacityError` when it fills up).
     """
     policy = _policy_or_full(policy)
     rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
     longest = max(len(r) for r in rows)
+    reserve = max_new_tokens if capacity is None else 0
     capacity = longest + max_new_tokens if capacity is None else capacity
-    return _prefill_rows(model, rows, policy, page_size, capacity, chunk_size, capacity, max_new_tokens)
+    return _prefill_rows(model, rows, policy, page_size, capacity, chunk_size, capacity, reserve)
 
 
 def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None = None) -> tuple[jax.Array, KVState]:

@@ -1,0 +1,119 @@
+"""Shared fixtures: tiny random `transformers` models saved to temporary directories (no hub)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+
+
+def _llama_config(**overrides):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    base.update(overrides)
+    return transformers.LlamaConfig(**base)
+
+
+def _phi3_config(**overrides):
+    rotary_half = 16 // 2
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        original_max_position_embeddings=32,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(rotary_half)],
+            "long_factor": [1.0 + 0.9 * i for i in range(rotary_half)],
+        },
+        rope_theta=10000.0,
+        sliding_window=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    base.update(overrides)
+    return transformers.Phi3Config(**base)
+
+
+CONFIGS = {
+    "llama_gqa_llama3": lambda: _llama_config(
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    ),
+    "llama_yarn": lambda: _llama_config(
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    ),
+    "llama_linear_tied": lambda: _llama_config(
+        rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=True, num_key_value_heads=4
+    ),
+    "phi3_longrope": _phi3_config,
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, use_sliding_window=False, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+    ),
+}
+MODEL_CLASSES = {"phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def build_hf_model(name: str, seed: int = 0):
+    """A tiny random HF model in float32, eval mode. Weights drawn wider than HF's init so logits differ."""
+    torch.manual_seed(seed)
+    config = CONFIGS[name]()
+    cls = getattr(transformers, MODEL_CLASSES[config.model_type])
+    model = cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.08)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """name -> (hf model, saved directory). Built lazily, once per session."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            model = build_hf_model(name)
+            path = tmp_path_factory.mktemp(name)
+            model.save_pretrained(path)
+            cache[name] = (model, str(path))
+        return cache[name]
+
+    return get
+
+
+def random_tokens(seed: int, shape, vocab: int = VOCAB) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, size=shape).astype(np.int32)

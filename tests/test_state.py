@@ -1,0 +1,144 @@
+"""Paged state invariants, capacity errors and bad input."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvjax
+from conftest import VOCAB, random_tokens
+from kvjax.state import allocate_for_append, append_to_layer, init_state
+
+
+@pytest.fixture(scope="module")
+def llama(hf_models):
+    return kvjax.load_model(hf_models("llama_gqa_llama3")[1])
+
+
+def check_invariants(state):
+    table = np.asarray(state.page_table)
+    lengths = np.asarray(state.lengths)
+    ps = state.page_size
+    num_free = int(state.num_free)
+    free = np.asarray(state.free_pages)[:num_free]
+    used = []
+    for idx in np.ndindex(*lengths.shape):
+        n_pages = -(-int(lengths[idx]) // ps)
+        pages = table[idx][:n_pages]
+        assert np.all(pages >= 0), f"{idx}: a page below the length is unallocated"
+        assert np.all(table[idx][n_pages:] == -1), f"{idx}: a page past the length is mapped"
+        used += pages.tolist()
+    assert len(set(used)) == len(used), "a page is used twice"
+    assert len(set(free.tolist())) == len(free), "a page is free twice"
+    assert not set(used) & set(free.tolist()), "a page is both free and used"
+    assert len(used) + num_free == state.num_pages, "a page is neither free nor used (leak)"
+    refcount = np.asarray(state.refcount)
+    assert np.all(refcount[used] == 1)
+    # metadata equals the min/max over valid slots
+    k, kmin, kmax, slot_pos = (np.asarray(x) for x in (state.k_pages, state.kmin, state.kmax, state.slot_pos))
+    for idx in np.ndindex(*lengths.shape):
+        n = int(lengths[idx])
+        for p in range(-(-n // ps)):
+            page = table[idx][p]
+            valid = min(ps, n - p * ps)
+            np.testing.assert_array_equal(kmin[page], k[page, :valid].min(0))
+            np.testing.assert_array_equal(kmax[page], k[page, :valid].max(0))
+            assert np.all(slot_pos[page, :valid] >= 0) and np.all(slot_pos[page, valid:] == -1)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(1, 45), min_size=1, max_size=3),
+    chunk=st.just(16),
+    page_size=st.sampled_from([4, 16]),
+    decode_steps=st.integers(0, 5),
+)
+def test_state_invariants_under_random_prompts(llama, lengths, chunk, page_size, decode_steps):
+    prompts = [random_tokens(n, (n,)).tolist() for n in lengths]
+    # a fixed capacity keeps state shapes (and so compiles) shared across examples
+    state, _ = kvjax.prefill(llama, prompts, chunk_size=chunk, page_size=page_size, capacity=64)
+    check_invariants(state)
+    for step in range(decode_steps):
+        _, state = kvjax.decode_step(llama, state, np.full(len(lengths), step % VOCAB))
+    check_invariants(state)
+    assert np.asarray(state.lengths)[0, :, 0].tolist() == [n + decode_steps for n in lengths]
+
+
+def test_pool_overflow_writes_nothing_and_is_reported(llama):
+    cfg = llama.cfg
+    state = init_state(cfg, batch=1, capacity=64, page_size=16, num_pages=cfg.num_layers * cfg.num_kv_heads * 2)
+    k = jnp.ones((1, 16, cfg.num_kv_heads, cfg.head_dim))
+    state, ok = allocate_for_append(state, jnp.asarray([16], jnp.int32), 16)
+    assert bool(ok)
+    before = np.asarray(state.page_table).copy()
+    # lengths are still 0 (nothing appended): 40 slots need 3 pages per head, 12 in all, and 4 are free
+    state, ok = allocate_for_append(state, jnp.asarray([40], jnp.int32), 40)
+    assert not bool(ok)
+    np.testing.assert_array_equal(np.asarray(state.page_table), before)
+    error = kvjax.state.overflow_error(state)
+    assert isinstance(error, kvjax.CacheCapacityError)
+    assert error.pages_needed == 3 * cfg.num_layers * cfg.num_kv_heads and error.pages_available == 4
+    assert "needed 12 new pages" in str(error) and "4 of 8 were free" in str(error)
+    # a write after a failed allocation with num_new forced to 0 changes nothing
+    after = append_to_layer(state, 0, k, k, jnp.zeros((1, 16), jnp.int32), jnp.asarray([0], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(after.k_pages), np.asarray(state.k_pages))
+
+
+def test_prompt_longer_than_capacity_raises_before_work(llama, monkeypatch):
+    import kvjax.generation as gen
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("a step ran before the capacity check")
+
+    monkeypatch.setattr(gen, "_append_step", no_work)
+    with pytest.raises(kvjax.CacheCapacityError, match="needs 40 tokens .* capacity is 32 tokens") as info:
+        kvjax.generate(llama, random_tokens(0, (1, 30)), max_new_tokens=10, capacity=32)
+    assert info.value.pages_needed == 3 and info.value.pages_available == 2
+    with pytest.raises(kvjax.CacheCapacityError, match="pages per"):
+        kvjax.prefill(llama, random_tokens(0, (1, 30)), capacity=16)
+
+
+def test_decode_past_capacity_raises(llama):
+    state, _ = kvjax.prefill(llama, random_tokens(1, (1, 15)), capacity=16)
+    _, state = kvjax.decode_step(llama, state, [3])  # the 16th slot fits
+    with pytest.raises(kvjax.CacheCapacityError, match="outgrew its page table"):
+        kvjax.decode_step(llama, state, [4])
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([], "is empty"),
+        ([[1, 2], []], r"prompt_ids\[1\] is empty"),
+        ([[1, VOCAB]], f"token id {VOCAB} at position 1 outside the vocabulary"),
+        ([[-1, 2]], "token id -1 at position 0"),
+        ([[1.5, 2.0]], "integer token ids"),
+    ],
+)
+def test_bad_prompts_raise_clear_errors(llama, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        kvjax.generate(llama, prompt, max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(decode_last=5), "decode_last"),
+        (dict(page_size=12), "power of two"),
+    ],
+)
+def test_bad_generation_options(llama, kwargs, message):
+    kwargs = {"max_new_tokens": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        kvjax.generate(llama, [[1, 2, 3, 4, 5]], **kwargs)
+
+
+def test_unknown_policy_name():
+    with pytest.raises(ValueError, match="unknown policy 'nope'; registered: full"):
+        kvjax.make_policy("nope")
+    with pytest.raises(ValueError, match="no option"):
+        kvjax.make_policy("full", token_budget=3)
