@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -135,6 +136,15 @@ def _chunk_size_for(longest: int, chunk_size: int) -> int:
     return min(bucket, chunk_size)
 
 
+def _warn_sliding_window(cfg: ModelConfig, length: int) -> None:
+    if cfg.sliding_window is not None and length > cfg.sliding_window:
+        warnings.warn(
+            f"this {cfg.model_type} config declares sliding_window={cfg.sliding_window}; kvjax attends over the "
+            f"whole context, so past {cfg.sliding_window} tokens (here {length}) outputs differ from transformers",
+            stacklevel=3,
+        )
+
+
 def _policy_or_full(policy: Policy | None) -> Policy:
     if policy is None:
         return FullPolicy()
@@ -152,6 +162,7 @@ def forward_logits(model: Model, tokens) -> jax.Array:
     if len({len(r) for r in rows}) != 1:
         raise ValueError("forward_logits takes equal-length rows; pad them or call it once per row")
     array = jnp.asarray(np.stack(rows))
+    _warn_sliding_window(model.cfg, array.shape[1])
     long_rope = uses_long_factors(model.cfg, array.shape[1])
     return _dense_logits(model.params, array, cfg=model.cfg, dtype=model.dtype, long_rope=long_rope)
 
@@ -168,6 +179,7 @@ def _prefill_rows(
 ) -> tuple[KVState, jax.Array]:
     cfg = model.cfg
     policy.validate(page_size)
+    _warn_sliding_window(cfg, declared_length)
     lengths = np.array([len(r) for r in rows], np.int32)
     B, longest = len(rows), int(lengths.max())
     per_head = max(policy.slots_needed(int(n), reserve_tokens, chunk_size) for n in lengths)

@@ -111,7 +111,12 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, Any]:
 def load_tokenizer(path: str | os.PathLike):
     """The tokenizer saved beside the weights, or None when there is none."""
     path = os.fspath(path)
-    if not any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        # The fast tokenizer class directly: AutoTokenizer's import costs seconds at every CLI start.
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    if not any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
 

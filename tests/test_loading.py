@@ -1,0 +1,127 @@
+"""Checkpoint loading: sharded and single files, clear errors, the shipped model, the CLI."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import kvjax
+from conftest import random_tokens
+from kvjax.cli import main as cli_main, shipped_model_dir
+from kvjax.models.convert import params_to_hf
+
+
+def test_sharded_checkpoint_with_index(hf_models, tmp_path):
+    hf, _ = hf_models("llama_gqa_llama3")
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    model = kvjax.load_model(tmp_path)
+    tokens = random_tokens(5, (1, 20))
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(kvjax.forward_logits(model, tokens)), ref, atol=1e-4, rtol=0)
+
+
+def test_round_trip_of_parameter_names(hf_models):
+    hf, path = hf_models("phi3_longrope")
+    exported = params_to_hf(kvjax.load_model(path).params)
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    assert set(exported) == set(state)
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, state[name])
+
+
+def _copy(path, tmp_path):
+    target = tmp_path / "ckpt"
+    shutil.copytree(path, target)
+    return target
+
+
+def _rewrite_tensors(target, edit):
+    from safetensors.numpy import load_file, save_file
+
+    file = target / "model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file)
+
+
+def test_missing_and_unexpected_tensors_are_named(hf_models, tmp_path):
+    target = _copy(hf_models("llama_gqa_llama3")[1], tmp_path)
+
+    def edit(t):
+        del t["model.layers.1.mlp.up_proj.weight"]
+        t["model.layers.1.mlp.extra.weight"] = np.zeros(3, np.float32)
+
+    _rewrite_tensors(target, edit)
+    with pytest.raises(kvjax.CheckpointError) as info:
+        kvjax.load_model(target)
+    assert "missing tensors: model.layers.1.mlp.up_proj.weight" in str(info.value)
+    assert "unexpected tensors: model.layers.1.mlp.extra.weight" in str(info.value)
+
+
+def test_shape_mismatch_names_both_shapes(hf_models, tmp_path):
+    target = _copy(hf_models("llama_gqa_llama3")[1], tmp_path)
+    config = json.loads((target / "config.json").read_text())
+    config["intermediate_size"] = 128
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(kvjax.CheckpointError, match=r"mlp.up_proj.weight: checkpoint has \(96, 64\), config implies \(128, 64\)"):
+        kvjax.load_model(target)
+
+
+def test_unknown_model_type_and_missing_dir(hf_models, tmp_path):
+    target = _copy(hf_models("llama_gqa_llama3")[1], tmp_path)
+    config = json.loads((target / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unknown model_type 'gpt2'.*supported: llama, mistral, qwen2, phi3"):
+        kvjax.load_model(target)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        kvjax.load_model(tmp_path / "nowhere")
+
+
+def test_config_reads_transformers_4_spelling():
+    from kvjax.config import ModelConfig
+
+    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=128)
+    old = ModelConfig.from_hf_dict({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 4.0}})
+    new = ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5}})
+    assert old == new and old.rope.theta == 5e5 and old.rope.rope_type == "linear"
+
+
+def test_shipped_model_matches_transformers():
+    from transformers import LlamaForCausalLM
+
+    path = shipped_model_dir()
+    model = kvjax.load_model(path)
+    hf = LlamaForCausalLM.from_pretrained(path).eval()
+    tokens = np.asarray([model.tokenizer("the pass key is 123 . remember it")["input_ids"]])
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(kvjax.forward_logits(model, tokens)), ref, atol=1e-4, rtol=0)
+
+
+def test_cli_generate_json(tmp_path):
+    # a subprocess, so the persistent compilation cache it turns on stays out of this test process
+    env = {**os.environ, "KVJAX_COMPILATION_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "kvjax.cli", "generate", "--prompt", "the pass key is 42 .", "--max-new-tokens", "5", "--json"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["prompt_tokens"] == 8 and len(out["token_ids"]) == 5
+    model = kvjax.load_model(shipped_model_dir())
+    expected = kvjax.generate(model, [model.tokenizer("the pass key is 42 .")["input_ids"]], 5)[0]
+    assert out["token_ids"] == [int(t) for t in expected if t >= 0]
+    assert os.listdir(tmp_path / "cache"), "the persistent compilation cache stayed empty"
+
+
+def test_cli_reports_bad_input(capsys):
+    assert cli_main(["generate", "--model", "/nonexistent/model", "--prompt", "x"]) == 2
+    assert "does not exist" in capsys.readouterr().err
