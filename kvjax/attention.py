@@ -31,10 +31,12 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: floa
 
 
 def paged_attention(
-    q: jax.Array, q_positions: jax.Array, state: KVState, layer: int, scale: float | None = None
-) -> jax.Array:
+    q: jax.Array, q_positions: jax.Array, state: KVState, layer: int, scale: float | None = None,
+    return_probs: bool = False,
+):
     """Queries `q [B, T, Hq, D]` at `q_positions int32[B, T]` over every valid slot of `layer` whose original
-    position is not after the query's (so a chunk is causal within itself). Returns `[B, T, Hq, D]`."""
+    position is not after the query's (so a chunk is causal within itself). Returns `[B, T, Hq, D]`, and
+    with `return_probs` also the probabilities `f32[B, H, G, T, S]` in `gather_layer`'s slot order."""
     B, T, Hq, D = q.shape
     k, v, slot_pos, valid = gather_layer(state, layer)  # [B, H, S, D], [B, H, S]
     H = k.shape[1]
@@ -44,5 +46,5 @@ def paged_attention(
     visible = valid[:, :, None, None, :] & (slot_pos[:, :, None, None, :] <= q_positions[:, None, None, :, None])
     scores = jnp.where(visible, scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhgts,bhsd->bthgd", probs.astype(q.dtype), v.astype(q.dtype))
-    return out.reshape(B, T, Hq, D)
+    out = jnp.einsum("bhgts,bhsd->bthgd", probs.astype(q.dtype), v.astype(q.dtype)).reshape(B, T, Hq, D)
+    return (out, jnp.where(visible, probs, 0.0)) if return_probs else out

@@ -20,14 +20,17 @@ from kvjax.attention import dense_causal_attention, paged_attention
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.models import CausalLM
-from kvjax.policies import FullPolicy, Policy
+from kvjax.compaction import compact_layer, evict_one_slot
+from kvjax.policies import FullPolicy, LayerView, Policy
 from kvjax.rope import rope_frequencies, uses_long_factors
 from kvjax.sampling import sample_tokens, validate_sampling
 from kvjax.state import (
     KVState,
+    add_slot_scores,
     allocate_for_append,
     append_to_layer,
     check_capacity,
+    gather_layer,
     init_state,
     overflow_error,
     pages_for,
@@ -47,30 +50,107 @@ def _rope(cfg: ModelConfig, long_rope: bool):
     return rope_frequencies(cfg, long_rope)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "policy"), donate_argnames=("state",))
-def _append_step(params, state: KVState, tokens, num_new, last_logits, *, cfg: ModelConfig, dtype, policy: Policy):
+def _layer_view(state: KVState, layer: int, num_layers: int, next_position, **extra) -> LayerView:
+    k, _, slot_pos, valid = gather_layer(state, layer)
+    P = state.layer_read_pages(layer)
+    score = state.slot_score[jnp.clip(state.page_table[layer, :, :, :P], 0, state.num_pages - 1)]
+    return LayerView(
+        layer=layer, num_layers=num_layers, k=k, slot_pos=slot_pos, valid=valid,
+        slot_score=score.reshape(slot_pos.shape), lengths=state.lengths[layer], next_position=next_position,
+        **extra,
+    )
+
+
+def _update_window(window_q, window_pos, q, positions, num_new):
+    """Keep each row's last w real queries: `window_q [B, w, Hq, D]`, chunk `q [B, C, Hq, D]`."""
+    w = window_q.shape[1]
+    rows = num_new[:, None] + jnp.arange(w)[None, :]  # [B, w] rows of concat(window, chunk)
+    q_all = jnp.concatenate([window_q, q.astype(window_q.dtype)], axis=1)
+    pos_all = jnp.concatenate([window_pos, positions], axis=1)
+    return (
+        jnp.take_along_axis(q_all, rows[:, :, None, None], axis=1),
+        jnp.take_along_axis(pos_all, rows, axis=1),
+    )
+
+
+def new_window(cfg: ModelConfig, batch: int, size: int, dtype):
+    """The prefill carry of the last `size` queries per layer (None when the policy needs none)."""
+    if size <= 0:
+        return None
+    return {
+        "q": jnp.zeros((cfg.num_layers, batch, size, cfg.num_heads, cfg.head_dim), dtype),
+        "pos": jnp.full((batch, size), -1, jnp.int32),
+    }
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "policy"), donate_argnames=("state", "window"))
+def _append_step(params, state: KVState, window, tokens, num_new, last_logits, *, cfg: ModelConfig, dtype, policy: Policy):
     """Append `tokens int32[B, C]` (the first `num_new[b]` of each row are real) and attend.
 
-    Returns the state and logits f32[B, V] at each row's last real token (`last_logits` where num_new is 0).
+    C = 1 is a decode step: the policy's page selection and decode-time eviction apply. Returns the state,
+    the window carry and logits f32[B, V] at each row's last real token (`last_logits` where num_new is 0).
     """
     B, C = tokens.shape
+    decoding = C == 1
     TRACE_COUNTS[("append_step", B, C)] += 1
     positions = state.next_position[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     state, ok = allocate_for_append(state, num_new, C)
     num_new = jnp.where(ok, num_new, 0)
+    seen = state.next_position + num_new
+    window_pos = None if window is None else window["pos"]
+    window_q = []
 
     def attend(layer, inputs, state):
         state = append_to_layer(state, layer, inputs.k, inputs.v, inputs.positions, num_new)
-        return paged_attention(inputs.q, inputs.positions, state, layer), state
+        compressed = policy.compresses_layer(layer)
+        need_probs = compressed and (
+            policy.accumulates_attention or (decoding and policy.evicts_while_decoding)
+        )
+        out = paged_attention(inputs.q, inputs.positions, state, layer, return_probs=need_probs)
+        if need_probs:
+            out, probs = out  # [B, H, G, T, S]
+            real = (jnp.arange(C)[None, :] < num_new[:, None])[:, None, None, :, None]
+            probs = jnp.where(real, probs, 0.0)
+            if policy.accumulates_attention:
+                state = add_slot_scores(state, layer, probs.sum(axis=(2, 3)))
+            if decoding and policy.evicts_while_decoding:
+                view = _layer_view(state, layer, cfg.num_layers, seen, probs=probs[:, :, :, 0])
+                scores = jnp.where(view.valid, policy.decode_scores(view), jnp.inf)
+                victim = jnp.argmin(scores, axis=-1).astype(jnp.int32)
+                over = state.lengths[layer] > policy.decode_budget(0)
+                state = evict_one_slot(state, layer, victim, over)
+        if window is not None:
+            q_w, _ = _update_window(window["q"][layer], window["pos"], inputs.q, inputs.positions, num_new)
+            window_q.append(q_w)
+        return out, state
 
     module = CausalLM(cfg, dtype)
     rope = _rope(cfg, state.long_rope)
     hidden, state = module.apply({"params": params}, tokens, positions, rope, attend, state)
+    if window is not None:
+        _, window_pos = _update_window(window["q"][0], window["pos"], jnp.zeros((B, C) + window["q"].shape[3:], window["q"].dtype), positions, num_new)
+        window = {"q": jnp.stack(window_q), "pos": window_pos}
     last = jnp.clip(num_new - 1, 0, C - 1)
     last_hidden = hidden[jnp.arange(B), last]  # [B, hidden]
     logits = module.apply({"params": params}, last_hidden, method=CausalLM.logits)
     logits = jnp.where((num_new > 0)[:, None], logits, last_logits)
-    return state.replace(next_position=state.next_position + num_new), logits
+    return state.replace(next_position=seen), window, logits
+
+
+@functools.partial(
+    jax.jit, static_argnames=("num_layers", "policy", "keep_bound", "read_pages"), donate_argnames=("state",)
+)
+def _compress_step(state: KVState, window, *, num_layers: int, policy: Policy, keep_bound: int, read_pages: tuple):
+    """Apply the policy's keep sets to every compressed layer, then bound each layer's pages to `read_pages`."""
+    TRACE_COUNTS[("compress_step", keep_bound)] += 1
+    for layer in range(num_layers):
+        if not policy.compresses_layer(layer):
+            continue
+        extra = {} if window is None else {"window_q": window["q"][layer], "window_pos": window["pos"]}
+        view = _layer_view(state, layer, num_layers, state.next_position, **extra)
+        keep_slots, keep_count = policy.compress_layer(view, keep_bound)
+        state = compact_layer(state, layer, keep_slots, keep_count)
+    return state.replace(read_pages=read_pages)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "long_rope"))
@@ -199,15 +279,22 @@ def _prefill_rows(
     for i, row in enumerate(rows):
         padded[i, : len(row)] = row
     logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+    window = new_window(cfg, B, policy.window_size, model.dtype) if policy.compresses else None
     for i in range(num_chunks):
         num_new = np.clip(lengths - i * C, 0, C).astype(np.int32)
-        state, logits = _append_step(
-            model.params, state, jnp.asarray(padded[:, i * C : (i + 1) * C]), jnp.asarray(num_new), logits,
-            cfg=cfg, dtype=model.dtype, policy=policy,
+        state, window, logits = _append_step(
+            model.params, state, window, jnp.asarray(padded[:, i * C : (i + 1) * C]), jnp.asarray(num_new),
+            logits, cfg=cfg, dtype=model.dtype, policy=policy,
         )
     error = overflow_error(state)
     if error is not None:
         raise error
+    if policy.compresses:
+        keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths)
+        grow = 1 if policy.evicts_while_decoding else reserve_tokens
+        bounded = min(state.max_pages, pages_for(keep_bound + grow, page_size))
+        read_pages = tuple(bounded if policy.compresses_layer(l) else state.max_pages for l in range(cfg.num_layers))
+        state = _compress_step(state, window, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages)
     return state, logits
 
 
@@ -256,9 +343,9 @@ def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None =
 
 def _decode(model: Model, state: KVState, tokens: jax.Array, policy: Policy) -> tuple[jax.Array, KVState]:
     B = tokens.shape[0]
-    state, logits = _append_step(
-        model.params, state, tokens[:, None], jnp.ones((B,), jnp.int32), jnp.zeros((B, model.cfg.vocab_size), jnp.float32),
-        cfg=model.cfg, dtype=model.dtype, policy=policy,
+    state, _, logits = _append_step(
+        model.params, state, None, tokens[:, None], jnp.ones((B,), jnp.int32),
+        jnp.zeros((B, model.cfg.vocab_size), jnp.float32), cfg=model.cfg, dtype=model.dtype, policy=policy,
     )
     return logits, state
 

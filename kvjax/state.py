@@ -48,6 +48,11 @@ class KVState:
     next_position: jax.Array  # int32[B]  position of the next token of each sequence
     overflow: jax.Array  # int32[3]  (code, pages needed, pages available) of the first failed step
     long_rope: bool = struct.field(pytree_node=False, default=False)  # LongRoPE factor set, fixed at prefill
+    # Logical pages attention reads per layer (static), after a policy bounded the layer; None = all.
+    read_pages: tuple | None = struct.field(pytree_node=False, default=None)
+
+    def layer_read_pages(self, layer: int) -> int:
+        return self.max_pages if self.read_pages is None else self.read_pages[layer]
 
     @property
     def page_size(self) -> int:
@@ -128,7 +133,8 @@ def allocate_for_append(state: KVState, num_new: jax.Array, max_new_tokens: int)
     new_used = pages_for(state.lengths + num_new[None, :, None], ps)
     need = (new_used - used).reshape(-1)  # [L*B*H]
     total = jnp.sum(need)
-    fits_table = jnp.all(new_used <= P)
+    limit = jnp.asarray([state.layer_read_pages(l) for l in range(L)], jnp.int32)[:, None, None]
+    fits_table = jnp.all(new_used <= limit)
     fits_pool = total <= state.num_free
     ok = fits_table & fits_pool
 
@@ -144,8 +150,9 @@ def allocate_for_append(state: KVState, num_new: jax.Array, max_new_tokens: int)
 
     page = page.reshape(-1)
     code = jnp.where(fits_table, OVERFLOW_POOL, OVERFLOW_TABLE)
-    needed = jnp.where(fits_table, total, jnp.max(new_used))
-    available = jnp.where(fits_table, state.num_free, P)
+    over = jnp.argmax(jnp.any(new_used > limit, axis=(1, 2)))  # first layer over its limit
+    needed = jnp.where(fits_table, total, jnp.max(new_used[over]))
+    available = jnp.where(fits_table, state.num_free, limit[over, 0, 0])
     first_failure = (~ok) & (state.overflow[0] == OVERFLOW_NONE)
     overflow = jnp.where(first_failure, jnp.stack([code, needed, available]).astype(jnp.int32), state.overflow)
     state = state.replace(
@@ -191,8 +198,8 @@ def append_to_layer(
 
 def gather_layer(state: KVState, layer: int):
     """One layer's slots in logical order: k, v `[B, H, S, D]`, slot positions `int32[B, H, S]` and a
-    validity mask `bool[B, H, S]` (S = max_pages * page_size). Reads every logical page of the table."""
-    pt = jnp.clip(state.page_table[layer], 0, state.num_pages - 1)  # [B, H, P]
+    validity mask `bool[B, H, S]` (S = read pages * page_size). Reads the layer's `read_pages`."""
+    pt = jnp.clip(state.page_table[layer, :, :, : state.layer_read_pages(layer)], 0, state.num_pages - 1)  # [B, H, P]
     B, H, P = pt.shape
     S = P * state.page_size
     k = state.k_pages[pt].reshape(B, H, S, -1)
@@ -215,7 +222,8 @@ def overflow_error(state: KVState) -> CacheCapacityError | None:
     else:
         msg = (
             f"a sequence outgrew its page table: it needed {needed} pages per (layer, head), capacity is "
-            f"{available} pages ({available * state.page_size} tokens); pass a larger capacity"
+            f"{available} pages ({available * state.page_size} tokens) for that layer; pass a larger capacity "
+            "(or max_new_tokens, which sizes the pages a compressed layer may still grow into)"
         )
     return CacheCapacityError(msg, needed, available)
 
@@ -234,6 +242,19 @@ def check_capacity(pages_needed_per_head: int, total_pages_needed: int, state_ma
             total_pages_needed,
             num_pages,
         )
+
+
+def add_slot_scores(state: KVState, layer: int, delta: jax.Array) -> KVState:
+    """Add `delta f32[B, H, S]` (in `gather_layer`'s slot order) to the layer's `slot_score`."""
+    P = state.layer_read_pages(layer)
+    table = state.page_table[layer, :, :, :P]
+    B, H, _ = table.shape
+    S = P * state.page_size
+    page = jnp.repeat(table, state.page_size, axis=-1)  # [B, H, S]
+    valid = jnp.arange(S)[None, None, :] < state.lengths[layer][:, :, None]
+    page = jnp.where(valid & (page >= 0), page, state.num_pages)
+    offset = jnp.broadcast_to(jnp.arange(S) % state.page_size, page.shape)
+    return state.replace(slot_score=state.slot_score.at[page, offset].add(delta, mode="drop"))
 
 
 def pages_in_use(state: KVState) -> int:

@@ -1,5 +1,15 @@
-"""KV-cache policies: one small file per method, registered by name."""
+"""KV-cache policies: one small file per method, registered by name for `kvjax.make_policy`."""
 
-from kvjax.policies.base import POLICY_REGISTRY, FullPolicy, Policy, make_policy, register_policy
+from kvjax.policies.base import POLICY_REGISTRY, FullPolicy, LayerView, Policy, make_policy, register_policy
+from kvjax.policies.eviction import ScoredEviction
+from kvjax.policies.snapkv import SnapKV
+from kvjax.policies.adakv import AdaSnapKV
+from kvjax.policies.pyramid import AdaPyramid, PyramidKV
+from kvjax.policies.h2o import H2O
+from kvjax.policies.tova import TOVA
+from kvjax.policies.streaming import StreamingLLM
 
-__all__ = ["POLICY_REGISTRY", "FullPolicy", "Policy", "make_policy", "register_policy"]
+__all__ = [
+    "POLICY_REGISTRY", "AdaPyramid", "AdaSnapKV", "FullPolicy", "H2O", "LayerView", "Policy", "PyramidKV",
+    "ScoredEviction", "SnapKV", "StreamingLLM", "TOVA", "make_policy", "register_policy",
+]

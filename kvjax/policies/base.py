@@ -1,14 +1,22 @@
 """The policy interface and registry.
 
-A policy is a frozen, hashable dataclass (static under `jit`) with a few hooks that the generation step
-calls: `compress` after a prefill chunk, `select_pages` before each decode attention, `evict_decode`
-after a decode step. The base class's hooks keep everything, so `FullPolicy` is the base class itself.
+A policy is a frozen, hashable dataclass (static under `jit`). The generation step calls its hooks:
+
+- `compress_layer` once after prefill (for methods with `compresses`): choose which slots each
+  (sequence, kv-head) keeps; the cache is compacted and the freed pages return to the pool.
+- `select_pages` before each decode attention (Quest): which logical pages each head reads.
+- `decode_scores` after each decode step (methods with `evicts_while_decoding`): a head over its
+  decode budget drops its lowest-scoring slot.
+
+What a policy may read is a `LayerView`. The base class keeps everything, so it is the full cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, NamedTuple
+
+import jax
 
 POLICY_REGISTRY: dict[str, type["Policy"]] = {}
 
@@ -26,12 +34,42 @@ def register_policy(name: str) -> Callable[[type], type]:
     return wrap
 
 
+class LayerView(NamedTuple):
+    """One layer's cache as a policy sees it. B sequences, H kv heads, S = slots in the table, G = group.
+
+    At compress time `window_q`/`window_pos` hold the last `window_size` prompt queries (post-RoPE) of
+    each sequence; at decode time `probs` holds the step's attention probabilities.
+    """
+
+    layer: int
+    num_layers: int
+    k: jax.Array  # [B, H, S, D] keys after RoPE, in slot order
+    slot_pos: jax.Array  # int32[B, H, S] original positions, -1 when empty
+    valid: jax.Array  # bool[B, H, S] slot < length
+    slot_score: jax.Array  # f32[B, H, S]
+    lengths: jax.Array  # int32[B, H]
+    next_position: jax.Array  # int32[B] tokens seen so far (the prompt length at compress time)
+    window_q: Any = None  # [B, w, Hq, D]
+    window_pos: Any = None  # int32[B, w], -1 for rows before the prompt start
+    probs: Any = None  # f32[B, H, G, S] decode attention of the step's query
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Keep every slot; read every page. Subclasses override hooks."""
+    """Keep every slot; read every page. Subclasses override hooks and capabilities."""
 
     name: ClassVar[str] = "full"
     dense_layers: int = 0  # the first N layers stay uncompressed
+
+    # ---- capabilities (static)
+    compresses: ClassVar[bool] = False  # compress_layer after prefill
+    evicts_while_decoding: ClassVar[bool] = False  # decode_scores after each decode step
+    accumulates_attention: ClassVar[bool] = False  # add attention probabilities into slot_score (H2O)
+
+    @property
+    def window_size(self) -> int:
+        """Trailing prompt queries `compress_layer` needs (0: none)."""
+        return 0
 
     def validate(self, page_size: int) -> None:
         """Raise ValueError naming a bad field. Called before any work."""
@@ -42,10 +80,29 @@ class Policy:
         """Most slots one (layer, head) holds at once during a request (sizes the cache before work)."""
         return prompt_len + max_new_tokens
 
-    # Hooks (called under jit). The full policy does nothing in each.
-    def select_pages(self, layer: int, q: Any, state: Any) -> Any:
+    def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
+        """Most slots one head keeps after `compress_layer` for a prompt of `prompt_len` (static)."""
+        return prompt_len
+
+    def decode_budget(self, prompt_len: int) -> int:
+        """Slots a head may hold while decoding before `decode_scores` evicts (evicting policies)."""
+        return prompt_len
+
+    def compresses_layer(self, layer: int) -> bool:
+        return layer >= self.dense_layers
+
+    # ---- hooks (called under jit)
+    def compress_layer(self, view: LayerView, keep_bound: int) -> tuple[jax.Array, jax.Array]:
+        """(keep_slots int32[B, H, keep_bound], keep_count int32[B, H]) for one layer."""
+        raise NotImplementedError
+
+    def select_pages(self, layer: int, q: jax.Array, state: Any) -> Any:
         """Logical pages each head reads at a decode step, `int32[B, Hq or H, K]` (-1 = none), or None for all."""
         return None
+
+    def decode_scores(self, view: LayerView) -> jax.Array:
+        """f32[B, H, S]: after a decode step, a head over budget drops its lowest-scoring valid slot."""
+        raise NotImplementedError
 
 
 @register_policy("full")

@@ -1,0 +1,188 @@
+"""Real eviction: keep chosen slots, move them to each head's first pages, free the rest.
+
+`compact_layer` rewrites one layer: the kept slots of (sequence b, head h) land, in the order given, in
+logical slots 0..kept-1 of the same head (so they occupy ceil(kept / page_size) pages); pages past those
+go back on the free stack and leave the page table. `kmin`/`kmax` of the kept pages are recomputed
+exactly. `shrink_table` then cuts the page tables to the pages a bounded policy can still need, so decode
+reads (and compiles for) only those.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.state import KVState, pages_for
+
+
+def _push_free(state: KVState, pages: jax.Array, release: jax.Array) -> KVState:
+    """Return `pages` (any shape) where `release` holds to the free stack; refcounts drop to 0."""
+    N = state.num_pages
+    pages, release = pages.reshape(-1), release.reshape(-1)
+    rank = jnp.cumsum(release) - release
+    target = jnp.where(release, state.num_free + rank, N)
+    return state.replace(
+        free_pages=state.free_pages.at[target].set(pages, mode="drop"),
+        num_free=state.num_free + jnp.sum(release).astype(jnp.int32),
+        refcount=state.refcount.at[jnp.where(release, pages, N)].set(0, mode="drop"),
+    )
+
+
+def page_minmax(k_pages: jax.Array, pages: jax.Array, num_valid: jax.Array):
+    """Exact (kmin, kmax) `[..., D]` of `pages [...]` over their first `num_valid [...]` slots."""
+    k = k_pages[jnp.clip(pages, 0, k_pages.shape[0] - 1)]  # [..., ps, D]
+    valid = jnp.arange(k.shape[-2])[None, :] < num_valid.reshape(-1)[:, None]
+    valid = valid.reshape(num_valid.shape + (k.shape[-2], 1))
+    return jnp.min(jnp.where(valid, k, jnp.inf), axis=-2), jnp.max(jnp.where(valid, k, -jnp.inf), axis=-2)
+
+
+def compact_layer(state: KVState, layer: int, keep_slots: jax.Array, keep_count: jax.Array) -> KVState:
+    """Keep `keep_slots int32[B, H, K]` (logical slot indices, the first `keep_count[b, h]` of each row real)
+    of `layer` and free every page the kept slots no longer need."""
+    ps, N, P = state.page_size, state.num_pages, state.max_pages
+    B, H, K = keep_slots.shape
+    table = state.page_table[layer]  # [B, H, P]
+    b_idx, h_idx = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+    j = jnp.arange(K, dtype=jnp.int32)[None, None, :]
+    real = j < keep_count[:, :, None]
+    source = jnp.where(real, keep_slots, 0)
+    src_page = jnp.clip(table[b_idx, h_idx, source // ps], 0, N - 1)
+    src_off = source % ps
+    k = state.k_pages[src_page, src_off]  # [B, H, K, D]
+    v = state.v_pages[src_page, src_off]
+    pos = state.slot_pos[src_page, src_off]
+    score = state.slot_score[src_page, src_off]
+
+    # every slot of the kept pages, kept or past keep_count (cleared)
+    K_pad = pages_for(K, ps) * ps
+    jj = jnp.arange(K_pad, dtype=jnp.int32)[None, None, :]
+    dst_logical = jnp.minimum(jj // ps, P - 1)
+    in_kept_pages = jj < pages_for(keep_count, ps)[:, :, None] * ps
+    dst_page = jnp.where(in_kept_pages, table[b_idx, h_idx, dst_logical], N)
+    dst_off = jj % ps
+    pad = K_pad - K
+    is_real = jnp.pad(real, ((0, 0), (0, 0), (0, pad)))
+    k = jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    pos = jnp.where(is_real, jnp.pad(pos, ((0, 0), (0, 0), (0, pad))), -1)
+    score = jnp.where(is_real, jnp.pad(score, ((0, 0), (0, 0), (0, pad))), 0.0)
+    state = state.replace(
+        k_pages=state.k_pages.at[dst_page, dst_off].set(k, mode="drop"),
+        v_pages=state.v_pages.at[dst_page, dst_off].set(v, mode="drop"),
+        slot_pos=state.slot_pos.at[dst_page, dst_off].set(pos, mode="drop"),
+        slot_score=state.slot_score.at[dst_page, dst_off].set(score, mode="drop"),
+    )
+    # exact metadata of the kept pages
+    Pk = K_pad // ps
+    kept_pages = dst_page.reshape(B, H, Pk, ps)[..., 0]  # [B, H, Pk]
+    in_page = jnp.clip(keep_count[:, :, None] - jnp.arange(Pk)[None, None, :] * ps, 0, ps)
+    kmin, kmax = page_minmax(state.k_pages, kept_pages, in_page)
+    state = state.replace(
+        kmin=state.kmin.at[kept_pages].set(kmin.astype(state.kmin.dtype), mode="drop"),
+        kmax=state.kmax.at[kept_pages].set(kmax.astype(state.kmax.dtype), mode="drop"),
+    )
+    # free the pages past the kept ones
+    p = jnp.arange(P, dtype=jnp.int32)[None, None, :]
+    new_used = pages_for(keep_count, ps)[:, :, None]
+    old_used = pages_for(state.lengths[layer], ps)[:, :, None]
+    release = (p >= new_used) & (p < old_used)
+    state = _push_free(state, table, release)
+    return state.replace(
+        page_table=state.page_table.at[layer].set(jnp.where(p >= new_used, -1, table)),
+        lengths=state.lengths.at[layer].set(keep_count.astype(jnp.int32)),
+    )
+
+
+def evict_one_slot(state: KVState, layer: int, victim: jax.Array, evict: jax.Array) -> KVState:
+    """Drop logical slot `victim int32[B, H]` of the heads where `evict bool[B, H]`: the head's last slot
+    moves into the victim's place, the length drops by one, and a page left empty is freed."""
+    ps, N = state.page_size, state.num_pages
+    table = state.page_table[layer]
+    B, H, _ = table.shape
+    b_idx, h_idx = jnp.arange(B)[:, None], jnp.arange(H)[None, :]
+    length = state.lengths[layer]
+    last = length - 1
+    last_page = jnp.clip(table[b_idx, h_idx, jnp.maximum(last, 0) // ps], 0, N - 1)
+    last_off = jnp.maximum(last, 0) % ps
+    victim_page = jnp.where(evict, table[b_idx, h_idx, victim // ps], N)
+    victim_off = victim % ps
+    state = state.replace(
+        k_pages=state.k_pages.at[victim_page, victim_off].set(state.k_pages[last_page, last_off], mode="drop"),
+        v_pages=state.v_pages.at[victim_page, victim_off].set(state.v_pages[last_page, last_off], mode="drop"),
+        slot_pos=state.slot_pos.at[victim_page, victim_off].set(state.slot_pos[last_page, last_off], mode="drop"),
+        slot_score=state.slot_score.at[victim_page, victim_off].set(state.slot_score[last_page, last_off], mode="drop"),
+    )
+    new_length = jnp.where(evict, last, length)
+    cleared_page = jnp.where(evict, last_page, N)
+    state = state.replace(slot_pos=state.slot_pos.at[cleared_page, last_off].set(-1, mode="drop"))
+    # exact metadata of the two touched pages
+    for logical in (victim // ps, jnp.maximum(new_length - 1, 0) // ps):
+        page = jnp.where(evict & (logical * ps < new_length), table[b_idx, h_idx, logical], N)
+        count = jnp.clip(new_length - logical * ps, 0, ps)
+        kmin, kmax = page_minmax(state.k_pages, page, count)
+        state = state.replace(
+            kmin=state.kmin.at[page].set(kmin.astype(state.kmin.dtype), mode="drop"),
+            kmax=state.kmax.at[page].set(kmax.astype(state.kmax.dtype), mode="drop"),
+        )
+    # a last page left empty is freed
+    emptied = evict & (new_length % ps == 0)
+    empty_logical = new_length // ps
+    state = _push_free(state, jnp.where(emptied, table[b_idx, h_idx, jnp.minimum(empty_logical, table.shape[-1] - 1)], 0), emptied)
+    new_table = table.at[b_idx, h_idx, jnp.where(emptied, empty_logical, table.shape[-1])].set(-1, mode="drop")
+    return state.replace(
+        page_table=state.page_table.at[layer].set(new_table),
+        lengths=state.lengths.at[layer].set(new_length),
+    )
+
+
+def shrink_table(state: KVState, max_pages: int) -> KVState:
+    """Cut page tables to `max_pages` logical pages per head (static). Every head must already fit."""
+    if max_pages >= state.max_pages:
+        return state
+    return state.replace(page_table=state.page_table[..., :max_pages])
+
+
+def kept_positions(state: KVState) -> list:
+    """Original token positions held per (layer, sequence, kv-head), in slot order: a nested list
+    `[layer][batch][head] -> np.ndarray[int32]`."""
+    table = np.asarray(state.page_table)
+    lengths = np.asarray(state.lengths)
+    slot_pos = np.asarray(state.slot_pos)
+    ps = state.page_size
+    out = []
+    for l in range(table.shape[0]):
+        per_b = []
+        for b in range(table.shape[1]):
+            per_h = []
+            for h in range(table.shape[2]):
+                n = int(lengths[l, b, h])
+                pages = table[l, b, h, : pages_for(n, ps)]
+                per_h.append(slot_pos[pages].reshape(-1)[:n].astype(np.int32))
+            per_b.append(per_h)
+        out.append(per_b)
+    return out
+
+
+def memory_report(state: KVState) -> dict:
+    """Pages and bytes in use per layer and per (layer, head), against a full cache of the same positions."""
+    table = np.asarray(state.page_table)
+    lengths = np.asarray(state.lengths)
+    next_pos = np.asarray(state.next_position)
+    ps, D = state.page_size, state.k_pages.shape[-1]
+    page_bytes = 2 * ps * D * state.k_pages.dtype.itemsize + 2 * D * state.kmin.dtype.itemsize + ps * 8
+    pages = (table >= 0).sum(-1)  # [L, B, H]
+    full_pages = pages_for(next_pos, ps)[None, :, None] * np.ones_like(pages)
+    return {
+        "page_size": ps,
+        "bytes_per_page": int(page_bytes),
+        "pages_in_use": int(pages.sum()),
+        "pages_full_cache": int(full_pages.sum()),
+        "bytes_in_use": int(pages.sum() * page_bytes),
+        "bytes_full_cache": int(full_pages.sum() * page_bytes),
+        "pages_per_layer": pages.sum(axis=(1, 2)).tolist(),
+        "pages_per_layer_head": pages.sum(axis=1).tolist(),
+        "slots_per_layer_head": lengths.sum(axis=1).tolist(),
+        "free_pages": int(state.num_free),
+        "pool_pages": state.num_pages,
+    }

@@ -1,0 +1,41 @@
+"""H2O (Zhang et al., 2023): heavy hitters by accumulated attention, plus the most recent tokens.
+
+Every query's attention probabilities are summed into each slot's score (over the GQA group too). After
+prefill a head keeps its top (token_budget - recent_size) slots plus the recent ones; while decoding a
+head over budget drops its lowest-scoring slot outside the recent window. recent_size defaults to half
+the budget (the paper's equal heavy/recent split).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kvjax.policies.base import LayerView, register_policy
+from kvjax.policies.eviction import ScoredEviction, _check_budget, recent
+
+
+@register_policy("h2o")
+@dataclasses.dataclass(frozen=True)
+class H2O(ScoredEviction):
+    recent_size: int | None = None
+    accumulates_attention = True
+    evicts_while_decoding = True
+
+    @property
+    def recent(self) -> int:
+        return self.token_budget // 2 if self.recent_size is None else self.recent_size
+
+    def validate(self, page_size: int) -> None:
+        super().validate(page_size)
+        _check_budget(self, self.recent, "recent_size")
+
+    def slots_needed(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> int:
+        return max(prompt_len, self.token_budget + 1)
+
+    def scores(self, view: LayerView):
+        return jnp.where(recent(view, self.recent), jnp.inf, view.slot_score)
+
+    def decode_scores(self, view: LayerView):
+        return self.scores(view)

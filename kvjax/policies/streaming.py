@@ -1,0 +1,34 @@
+"""StreamingLLM (Xiao et al., 2024): attention sinks plus a window of the most recent tokens.
+
+Keeps the first `sink_size` positions (4) and the newest token_budget - sink_size; while decoding, the
+oldest non-sink slot goes when a head is over budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kvjax.policies.base import LayerView, register_policy
+from kvjax.policies.eviction import ScoredEviction, _check_budget
+
+
+@register_policy("streaming")
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM(ScoredEviction):
+    sink_size: int = 4
+    evicts_while_decoding = True
+
+    def validate(self, page_size: int) -> None:
+        super().validate(page_size)
+        _check_budget(self, self.sink_size, "sink_size")
+
+    def slots_needed(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> int:
+        return max(prompt_len, self.token_budget + 1)
+
+    def scores(self, view: LayerView):
+        return jnp.where(view.slot_pos < self.sink_size, jnp.inf, view.slot_pos.astype(jnp.float32))
+
+    def decode_scores(self, view: LayerView):
+        return self.scores(view)

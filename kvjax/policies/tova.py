@@ -1,0 +1,41 @@
+"""TOVA (Oren et al., 2024): keep the tokens the newest query attends to most, averaged over all heads.
+
+After prefill: the last prompt query's attention, averaged over every query head of the layer, scores
+each slot; the last token itself is always kept (as kvpress does). While decoding: each step's query
+scores the slots the same way and a layer over budget drops the minimum. Every kv head of a layer keeps
+the same positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kvjax.policies.base import LayerView, register_policy
+from kvjax.policies.eviction import ScoredEviction, window_attention
+
+
+def _head_average(probs):  # [B, H, G, S] -> [B, H, S], the same row for every kv head
+    mean = probs.mean(axis=(1, 2))
+    return jnp.broadcast_to(mean[:, None, :], (probs.shape[0], probs.shape[1], probs.shape[3]))
+
+
+@register_policy("tova")
+@dataclasses.dataclass(frozen=True)
+class TOVA(ScoredEviction):
+    evicts_while_decoding = True
+
+    @property
+    def window_size(self) -> int:
+        return 1
+
+    def slots_needed(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> int:
+        return max(prompt_len, self.token_budget + 1)
+
+    def scores(self, view: LayerView):
+        newest = view.slot_pos == view.next_position[:, None, None] - 1
+        return jnp.where(newest, jnp.inf, _head_average(window_attention(view)))
+
+    def decode_scores(self, view: LayerView):
+        return _head_average(view.probs)
