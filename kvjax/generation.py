@@ -41,6 +41,11 @@ from kvjax.state import (
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
 DEFAULT_CHUNK_SIZE = 512
+CAPACITY_BUCKET = 256  # default capacities round up to this many tokens, so nearby lengths share compiles
+
+
+def _bucketed(tokens: int) -> int:
+    return -(-tokens // CAPACITY_BUCKET) * CAPACITY_BUCKET
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -292,7 +297,7 @@ def _prefill_rows(
     if policy.compresses:
         keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths)
         grow = 1 if policy.evicts_while_decoding else reserve_tokens
-        bounded = min(state.max_pages, pages_for(keep_bound + grow, page_size))
+        bounded = min(state.max_pages, pages_for(_bucketed(keep_bound + grow), page_size))
         read_pages = tuple(bounded if policy.compresses_layer(l) else state.max_pages for l in range(cfg.num_layers))
         state = _compress_step(state, window, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages)
     return state, logits
@@ -318,7 +323,7 @@ def prefill(
     rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
     longest = max(len(r) for r in rows)
     reserve = max_new_tokens if capacity is None else 0
-    capacity = longest + max_new_tokens if capacity is None else capacity
+    capacity = _bucketed(longest + max_new_tokens) if capacity is None else capacity
     return _prefill_rows(model, rows, policy, page_size, capacity, chunk_size, capacity, reserve)
 
 
@@ -383,7 +388,7 @@ def generate(
     if not 0 <= decode_last < shortest:
         raise ValueError(f"decode_last must be in [0, shortest prompt length {shortest}), got {decode_last}")
     needed = longest + max_new_tokens
-    capacity = needed if capacity is None else capacity
+    capacity = _bucketed(needed) if capacity is None else capacity
     if capacity < needed and type(policy).slots_needed is Policy.slots_needed:
         raise_capacity(needed, capacity, page_size)
     eos = model.eos_token_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())

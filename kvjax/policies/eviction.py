@@ -44,10 +44,6 @@ class ScoredEviction(Policy):
     def decode_budget(self, prompt_len: int) -> int:
         return self.token_budget
 
-    def slots_needed(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> int:
-        # the whole prompt sits in the cache until compression after the last chunk
-        return max(prompt_len, self.token_budget) + max_new_tokens
-
     def scores(self, view: LayerView) -> jax.Array:
         """f32[B, H, S], higher = keep; -inf where a slot is invalid."""
         raise NotImplementedError

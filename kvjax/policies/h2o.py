@@ -32,7 +32,8 @@ class H2O(ScoredEviction):
         _check_budget(self, self.recent, "recent_size")
 
     def slots_needed(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> int:
-        return max(prompt_len, self.token_budget + 1)
+        # the cache grows to budget + 1 before a decode step evicts
+        return min(prompt_len + max_new_tokens, max(prompt_len, self.token_budget + 1))
 
     def scores(self, view: LayerView):
         return jnp.where(recent(view, self.recent), jnp.inf, view.slot_score)

@@ -31,7 +31,8 @@ class TOVA(ScoredEviction):
         return 1
 
     def slots_needed(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> int:
-        return max(prompt_len, self.token_budget + 1)
+        # the cache grows to budget + 1 before a decode step evicts
+        return min(prompt_len + max_new_tokens, max(prompt_len, self.token_budget + 1))
 
     def scores(self, view: LayerView):
         newest = view.slot_pos == view.next_position[:, None, None] - 1

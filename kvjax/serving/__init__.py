@@ -1,0 +1,66 @@
+"""Serving-side memory management (Jenga): layer-group specs, a two-level page allocator for
+heterogeneous KV caches, prefix caching aligned across group types, and typed jnp views of the pool.
+
+Host-side modules (specs, layout, hashing, page_pool, prefix_cache, allocator) are pure Python; only
+`views` imports jax, and it is loaded on first use.
+"""
+
+from kvjax.serving.allocator import (
+    Allocation,
+    CommitResult,
+    GroupStats,
+    JengaAllocator,
+    PageCopy,
+    PoolStats,
+    RequestTooLargeError,
+    StalePrefixHitError,
+)
+from kvjax.serving.hashing import ROOT_HASH, chain_hashes, hash_block
+from kvjax.serving.layout import PoolLayout, choose_large_page_bytes
+from kvjax.serving.prefix_cache import PrefixHit, longest_common_hit
+from kvjax.serving.specs import (
+    AuxiliaryModelSpec,
+    BudgetedSpec,
+    FullAttentionSpec,
+    GroupSpec,
+    QuestMetadataSpec,
+    SlidingWindowSpec,
+    UniformPagingSpec,
+)
+
+_VIEW_NAMES = ("make_pool", "typed_view", "read_typed_pages", "write_typed_pages", "apply_page_copies")
+
+
+def __getattr__(name: str):
+    if name in _VIEW_NAMES:
+        from kvjax.serving import views
+
+        return getattr(views, name)
+    raise AttributeError(f"module 'kvjax.serving' has no attribute {name!r}")
+
+
+__all__ = [
+    "Allocation",
+    "AuxiliaryModelSpec",
+    "BudgetedSpec",
+    "CommitResult",
+    "FullAttentionSpec",
+    "GroupSpec",
+    "GroupStats",
+    "JengaAllocator",
+    "PageCopy",
+    "PoolLayout",
+    "PoolStats",
+    "PrefixHit",
+    "QuestMetadataSpec",
+    "ROOT_HASH",
+    "RequestTooLargeError",
+    "SlidingWindowSpec",
+    "StalePrefixHitError",
+    "UniformPagingSpec",
+    "chain_hashes",
+    "choose_large_page_bytes",
+    "hash_block",
+    "longest_common_hit",
+    *_VIEW_NAMES,
+]

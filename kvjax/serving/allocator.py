@@ -1,0 +1,764 @@
+"""The Jenga allocator: request-level API over the two-level pool and the prefix cache.
+
+Lifecycle of a request, as an engine drives it (see docs/jenga.md):
+
+    hit = alloc.get_computed_prefix(prompt)                  # reusable prefix, per-group pages
+    chunk = prompt[hit.num_tokens : hit.num_tokens + C]
+    if alloc.can_allocate(rid, len(chunk), hit):              # exact: a dry run of allocate
+        a = alloc.allocate(rid, chunk, prefix_hit=hit)        # reserve slots; None if the pool is full
+        pool = apply_page_copies(pool, layout, a.copies)      # budgeted-snapshot hits only
+        ... run the model on the chunk (block tables: alloc.block_tables(rid)) ...
+        c = alloc.commit(rid)                                 # tokens computed: cache full blocks,
+        pool = apply_page_copies(pool, layout, c.copies)      #   free out-of-window pages, snapshot
+    ... allocate/commit per decode step with the sampled token ...
+    alloc.free(rid)                                           # pages become cached (evictable) or free
+
+Everything here is host-side Python; the device pool is only ever addressed through page ids
+(kvjax.serving.layout / views).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from kvjax.serving.hashing import ROOT_HASH, chain_hashes
+from kvjax.serving.layout import PoolLayout
+from kvjax.serving.page_pool import CACHED, FREE, LIVE, Journal, TwoLevelPagePool
+from kvjax.serving.prefix_cache import PrefixCache, PrefixHit
+from kvjax.serving.specs import BudgetedSpec, GroupSpec, validate_group_specs
+
+
+class RequestTooLargeError(ValueError):
+    """A request needs more memory than the whole pool holds, so waiting or preempting cannot help."""
+
+
+class StalePrefixHitError(ValueError):
+    """A PrefixHit's pages were evicted between get_computed_prefix and allocate."""
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """Device copy of one small page of `group` from page id `src` to page id `dst`."""
+
+    group: str
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Result of a successful allocate.
+
+    new_pages: per group, the page ids appended to the request's block table this call.
+    copies: copies to apply to the pool before the step runs (a budgeted group's snapshot hit is copied
+        into the request's own pages, which its policy will overwrite).
+    """
+
+    new_pages: dict[str, tuple[int, ...]]
+    copies: tuple[PageCopy, ...] = ()
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """Result of commit: `copies` store budgeted-group snapshots (request page -> cache page); apply them
+    before the next step writes the request's pages."""
+
+    copies: tuple[PageCopy, ...] = ()
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """Bytes of one group. `needed_bytes` counts slots holding tokens some layer still reads (or is about
+    to write this step), each shared page once."""
+
+    name: str
+    page_bytes: int
+    held_large_pages: int
+    live_pages: int
+    cached_pages: int
+    free_pages_in_held_large: int
+    needed_bytes: float
+    slack_bytes: int
+
+    @property
+    def live_bytes(self) -> int:
+        return self.live_pages * self.page_bytes
+
+    @property
+    def cached_bytes(self) -> int:
+        return self.cached_pages * self.page_bytes
+
+    @property
+    def free_small_bytes(self) -> int:
+        return self.free_pages_in_held_large * self.page_bytes
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of pool usage.
+
+    held = live + cached + free small pages inside held large pages + tail slack of held large pages.
+    waste = held - cached - needed: unfilled slots and tokens no layer needs inside live pages
+    (`internal_bytes`), plus free small pages and slack inside held large pages (`external_bytes`).
+    Cached (evictable) pages hold reusable prefixes and count as neither.
+    """
+
+    pool_bytes: int
+    large_page_bytes: int
+    num_large_pages: int
+    free_large_pages: int
+    groups: tuple[GroupStats, ...] = field(repr=False)
+
+    @property
+    def held_bytes(self) -> int:
+        return (self.num_large_pages - self.free_large_pages) * self.large_page_bytes
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(g.live_bytes for g in self.groups)
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(g.cached_bytes for g in self.groups)
+
+    @property
+    def needed_bytes(self) -> float:
+        return sum(g.needed_bytes for g in self.groups)
+
+    @property
+    def internal_bytes(self) -> float:
+        return self.live_bytes - self.needed_bytes
+
+    @property
+    def external_bytes(self) -> int:
+        return sum(g.free_small_bytes + g.slack_bytes for g in self.groups)
+
+    @property
+    def waste_bytes(self) -> float:
+        return self.held_bytes - self.cached_bytes - self.needed_bytes
+
+    @property
+    def waste_fraction(self) -> float:
+        """Waste over held bytes (0 when nothing is held)."""
+        return self.waste_bytes / self.held_bytes if self.held_bytes else 0.0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    token_ids: list[int]
+    block_hashes: list[bytes]  # chained hashes of the full base blocks of token_ids[:num_computed]
+    num_computed: int
+    num_scheduled: int  # computed plus reserved for the step in flight
+    tables: list[list[int]]  # per group; -1 for blocks released or skipped (sliding windows)
+    first_live: list[int]  # per group: index of the first table entry that is not -1
+    num_registered: list[int]  # per positional group: blocks already offered to the prefix cache
+    kept: list[int]  # per budgeted group: slots kept after the last commit
+    large_hint: list[int]  # per group: the large page the request last took a small page from
+
+
+class JengaAllocator:
+    """Two-level page allocator with prefix caching for a set of heterogeneous layer groups.
+
+    Args:
+        specs: the groups (kvjax.serving.specs); names must be unique.
+        pool_bytes: size of the device pool; it holds pool_bytes // large_page_bytes large pages.
+        large_page_bytes: default: choose_large_page_bytes(page sizes, max_large_page_ratio).
+        enable_prefix_caching: cache full blocks (and budgeted snapshots) for reuse.
+        request_aware: Jenga's placement: a request's next small page goes into the large page it last
+            used, else into a fresh large page, before filling other requests' partly used large pages
+            (so a finished request frees whole large pages). False: fill partly used large pages first.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[GroupSpec],
+        pool_bytes: int,
+        *,
+        large_page_bytes: int | None = None,
+        max_large_page_ratio: int = 8,
+        enable_prefix_caching: bool = True,
+        request_aware: bool = True,
+    ) -> None:
+        self.specs = validate_group_specs(specs)
+        self.layout = PoolLayout.from_pool_bytes(self.specs, pool_bytes, large_page_bytes, max_large_page_ratio)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.request_aware = request_aware
+        self._journal = Journal()
+        self._pool = TwoLevelPagePool(self.layout, self._journal)
+        self._cache = PrefixCache(self.specs, self._pool, self._journal)
+        self._requests: dict[str, _Request] = {}
+        self._snapshot_slots: dict[tuple[int, bytes], int] = {}
+        self._per_large = [self.layout.pages_per_large(g) for g in range(len(self.specs))]
+
+    # =================================================================================================
+    # Prefix hits
+    # =================================================================================================
+    def get_computed_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
+        """The longest prefix of `token_ids` whose cache every group can reuse (at most
+        len(token_ids) - 1 tokens, so one token is always computed), with its pages per group."""
+        token_ids = list(token_ids)
+        if not self.enable_prefix_caching or len(token_ids) < 2:
+            return PrefixHit(0, {s.name: () for s in self.specs}, (), ())
+        length, hashes, pages = self._cache.find_hit(token_ids)
+        return PrefixHit(
+            num_tokens=length,
+            pages={spec.name: tuple(p) for spec, p in zip(self.specs, pages)},
+            token_ids=tuple(token_ids[:length]),
+            block_hashes=tuple(hashes[: length // self._cache.base_tokens]),
+        )
+
+    # =================================================================================================
+    # Allocation
+    # =================================================================================================
+    def can_allocate(self, request_id: str, num_new_tokens: int, prefix_hit: PrefixHit | None = None) -> bool:
+        """Whether allocate(request_id, <num_new_tokens tokens>, prefix_hit) would succeed now: a dry run
+        of allocate, undone before returning. Raises RequestTooLargeError if it could never succeed."""
+        return bool(self._allocate(request_id, None, num_new_tokens, prefix_hit, dry_run=True))
+
+    def allocate(
+        self, request_id: str, new_token_ids: Sequence[int], prefix_hit: PrefixHit | None = None
+    ) -> Allocation | None:
+        """Reserves slots for `new_token_ids` (the tokens this step computes) in every group.
+
+        The first call of a request may pass the PrefixHit from get_computed_prefix: the request then
+        starts with the hit's pages (shared, refcounted) and `new_token_ids` continue after the hit.
+        Returns None, with nothing changed, when the pool cannot hold the step now (the engine may wait
+        or preempt); raises RequestTooLargeError when even an empty pool could not.
+        """
+        new_token_ids = list(new_token_ids)
+        return self._allocate(request_id, new_token_ids, len(new_token_ids), prefix_hit, dry_run=False)
+
+    def _allocate(self, request_id, new_token_ids, num_new, prefix_hit, dry_run):
+        if not isinstance(num_new, int) or num_new <= 0:
+            raise ValueError(f"request {request_id!r}: need at least one new token, got {num_new!r}")
+        request = self._requests.get(request_id)
+        if request is not None:
+            if prefix_hit is not None:
+                raise ValueError(f"request {request_id!r}: prefix_hit is only for a request's first allocate")
+            if request.num_scheduled != request.num_computed:
+                raise ValueError(
+                    f"request {request_id!r}: {request.num_scheduled - request.num_computed} scheduled tokens "
+                    "are not committed; call commit before allocating again"
+                )
+        elif prefix_hit is not None:
+            self._check_hit_is_current(request_id, prefix_hit)
+        hit = prefix_hit if (request is None and prefix_hit is not None and prefix_hit.num_tokens > 0) else None
+
+        counts, live_after = self._page_counts(request, hit, num_new)
+        self._check_fits(request_id, request, hit, num_new, live_after)
+
+        journal = self._journal
+        journal.begin()
+        try:
+            self._pool.clock += 1
+            if request is None:
+                request = self._create_request(request_id, hit)
+            pinned = self._pin_snapshot_sources(hit)
+            pages = self._take_pages(request, counts)
+            if pages is None:
+                journal.rollback()
+                return None
+            copies = []
+            for group, spec in enumerate(self.specs):
+                if hit is not None and not spec.is_positional:
+                    copies += [PageCopy(spec.name, src, dst) for src, dst in zip(hit.pages[spec.name], pages[group])]
+                self._extend_table(request, group, pages[group])
+            for group, page in pinned:
+                self._pool.decref(group, page)
+            if dry_run:
+                journal.rollback()
+                return True
+            journal.commit()
+        except BaseException:
+            if journal.is_open:
+                journal.rollback()
+            raise
+        request.num_scheduled += num_new
+        request.token_ids.extend(new_token_ids)
+        return Allocation({s.name: tuple(p) for s, p in zip(self.specs, pages)}, tuple(copies))
+
+    def _check_hit_is_current(self, request_id: str, hit: PrefixHit) -> None:
+        for group, spec in enumerate(self.specs):
+            pages = [p for p in hit.pages.get(spec.name, ()) if p >= 0]
+            if hit.num_tokens and not spec.is_positional:
+                expected = self._cache.lookup(group, self._cache.hash_at(hit.block_hashes, hit.num_tokens))
+                if expected is None or tuple(pages) != expected:
+                    raise StalePrefixHitError(
+                        f"request {request_id!r}: the snapshot of group {spec.name!r} at {hit.num_tokens} tokens "
+                        "was evicted since get_computed_prefix; call it again"
+                    )
+                continue
+            for block, page in enumerate(hit.pages.get(spec.name, ())):
+                if page < 0:
+                    continue
+                end = (block + 1) * spec.tokens_per_page
+                if self._cache.lookup(group, self._cache.hash_at(hit.block_hashes, end)) != (page,):
+                    raise StalePrefixHitError(
+                        f"request {request_id!r}: page {page} of group {spec.name!r} (tokens {end - spec.tokens_per_page}"
+                        f"..{end}) was evicted since get_computed_prefix; call it again"
+                    )
+
+    def _page_counts(self, request, hit, num_new):
+        """(new small pages per group, live pages per group after this allocation)."""
+        counts, live_after = [], []
+        for group, spec in enumerate(self.specs):
+            tpp = spec.tokens_per_page
+            if request is not None:
+                table_len, first_live = len(request.tables[group]), request.first_live[group]
+            elif hit is not None:
+                hit_pages = hit.pages[spec.name]
+                table_len = 0 if not spec.is_positional else len(hit_pages)
+                first_live = 0 if not spec.is_positional else sum(1 for p in hit_pages if p < 0)
+            else:
+                table_len = first_live = 0
+            if spec.is_positional:
+                start = request.num_scheduled if request is not None else (hit.num_tokens if hit else 0)
+                needed_len = -(-(start + num_new) // tpp)
+            else:
+                kept = request.kept[group] if request is not None else self._hit_kept_slots(group, hit)
+                needed_len = -(-(kept + num_new) // tpp)
+            counts.append(max(0, needed_len - table_len))
+            live_after.append(max(needed_len, table_len) - first_live)
+        return counts, live_after
+
+    def _hit_kept_slots(self, group: int, hit: PrefixHit | None) -> int:
+        if hit is None:
+            return 0
+        block_hash = self._cache.hash_at(hit.block_hashes, hit.num_tokens)
+        return self._snapshot_slots[(group, block_hash)]
+
+    def _check_fits(self, request_id, request, hit, num_new, live_after) -> None:
+        large_needed = sum(-(-live // per) for live, per in zip(live_after, self._per_large))
+        if large_needed <= self.layout.num_large_pages:
+            return
+        start = request.num_scheduled if request is not None else (hit.num_tokens if hit else 0)
+        per_group = ", ".join(
+            f"{spec.name}: {live} pages x {spec.page_bytes} B" for spec, live in zip(self.specs, live_after)
+        )
+        raise RequestTooLargeError(
+            f"request {request_id!r} at {start + num_new} tokens ({num_new} new) needs {large_needed} large pages "
+            f"({large_needed * self.layout.large_page_bytes} bytes) but the pool has {self.layout.num_large_pages} "
+            f"({self.layout.pool_bytes} bytes) [{per_group}]"
+        )
+
+    def _create_request(self, request_id: str, hit: PrefixHit | None) -> _Request:
+        num_groups = len(self.specs)
+        request = _Request(
+            request_id=request_id,
+            token_ids=list(hit.token_ids) if hit else [],
+            block_hashes=list(hit.block_hashes) if hit else [],
+            num_computed=hit.num_tokens if hit else 0,
+            num_scheduled=hit.num_tokens if hit else 0,
+            tables=[[] for _ in range(num_groups)],
+            first_live=[0] * num_groups,
+            num_registered=[0] * num_groups,
+            kept=[0] * num_groups,
+            large_hint=[-1] * num_groups,
+        )
+        self._requests[request_id] = request
+        self._journal.record(lambda: self._requests.pop(request_id))
+        if hit is not None:
+            for group, spec in enumerate(self.specs):
+                if spec.is_positional:
+                    pages = list(hit.pages[spec.name])
+                    for page in pages:
+                        if page >= 0:
+                            self._pool.incref(group, page)
+                    request.tables[group] = pages
+                    request.first_live[group] = sum(1 for p in pages if p < 0)
+                    request.num_registered[group] = hit.num_tokens // spec.tokens_per_page
+                else:
+                    request.kept[group] = self._hit_kept_slots(group, hit)
+        return request
+
+    def _pin_snapshot_sources(self, hit: PrefixHit | None) -> list[tuple[int, int]]:
+        """References a snapshot hit's pages for the duration of allocate, so the eviction that makes
+        room for the request's copy cannot reuse them."""
+        pinned = []
+        if hit is None:
+            return pinned
+        for group, spec in enumerate(self.specs):
+            if not spec.is_positional:
+                for page in hit.pages[spec.name]:
+                    self._pool.incref(group, page)
+                    pinned.append((group, page))
+        return pinned
+
+    def _extend_table(self, request: _Request, group: int, pages: list[int]) -> None:
+        if not pages:
+            return
+        table = request.tables[group]
+        table.extend(pages)
+        self._journal.record(lambda: table.__delitem__(slice(len(table) - len(pages), None)))
+
+    def _set_hint(self, hints: list[int], group: int, large: int) -> None:
+        previous = hints[group]
+        if previous != large:
+            hints[group] = large
+            self._journal.record(lambda: hints.__setitem__(group, previous))
+
+    def _take_pages(self, request: _Request, counts: list[int], hints: list[int] | None = None) -> list[list[int]] | None:
+        """Takes counts[g] small pages of every group g, or returns None (the caller rolls back).
+
+        Order for each page (Jenga's request-aware allocation): a free slot in the large page the request
+        last used for this group; a fresh large page; a free slot in another large page of the group;
+        evicting the group's least recently used cached entry; reclaiming a large page of another group
+        that holds only cached pages. Groups whose free slots and evictable pages cannot cover their need
+        get their fresh large pages first, so that a group that could evict does not take the last free
+        large page from one that cannot.
+        """
+        pool = self._pool
+        hints = request.large_hint if hints is None else hints
+        remaining = list(counts)
+        taken: list[list[int]] = [[] for _ in counts]
+        reserved: list[list[int]] = [[] for _ in counts]
+        for group, need in enumerate(remaining):
+            deficit = need - pool.num_free_slots[group] - pool.num_evictable[group]
+            while deficit > 0:
+                large = pool.take_free_large(group)
+                if large is None:
+                    if self._reclaim_large_page(remaining) is None:
+                        return None
+                    large = pool.take_free_large(group)
+                reserved[group].append(large)
+                deficit -= self._per_large[group]
+        for group in range(len(remaining)):
+            while remaining[group] > 0:
+                large = hints[group]
+                if large < 0 or pool.large_group[large] != group or not pool.has_free_slot(large):
+                    if reserved[group]:
+                        large = reserved[group].pop(0)
+                    elif self.request_aware:
+                        large = pool.take_free_large(group)
+                        if large is None:
+                            large = pool.first_partial(group)
+                    else:
+                        large = pool.first_partial(group)
+                        if large is None:
+                            large = pool.take_free_large(group)
+                    if large is None:
+                        victim = pool.oldest_evictable(group)
+                        if victim is not None:
+                            self._cache.evict(group, victim)
+                        elif self._reclaim_large_page(remaining) is None:
+                            return None
+                        continue
+                    self._set_hint(hints, group, large)
+                taken[group].append(pool.take_slot(group, large))
+                remaining[group] -= 1
+            if reserved[group]:  # pragma: no cover - the deficit arithmetic uses every reserved page
+                raise AssertionError(f"group {self.specs[group].name}: reserved large pages {reserved[group]} unused")
+        return taken
+
+    def _reclaim_large_page(self, remaining: list[int]) -> int | None:
+        """Evicts every cached entry in one large page that holds no live page, freeing it. Prefers pages
+        of groups that need nothing more in this allocation; returns the freed large page or None."""
+        pool = self._pool
+        candidates = pool.reclaimable_large_pages()
+        if not candidates:
+            return None
+        candidates.sort(key=lambda large: remaining[pool.large_group[large]] > 0)  # stable: keeps LRU order
+        large = candidates[0]
+        group = pool.large_group[large]
+        first = large * self._per_large[group]
+        for page in range(first, first + self._per_large[group]):
+            if pool.cached[group][page] and pool.refcount[group][page] == 0:
+                self._cache.evict(group, page)
+        if pool.large_group[large] != -1:  # pragma: no cover - guarded by reclaimable_large_pages
+            raise AssertionError(f"large page {large} still typed after reclaiming it")
+        return large
+
+    # =================================================================================================
+    # Commit and free
+    # =================================================================================================
+    def commit(self, request_id: str, kept_slots: Mapping[str, int] | None = None) -> CommitResult:
+        """Marks the tokens reserved by the last allocate as computed (their KV is written).
+
+        Then: full blocks of positional groups enter the prefix cache; sliding-window blocks wholly
+        before the last window - 1 tokens are released (early: they become the first to be evicted);
+        budgeted groups shrink to their kept slots (`kept_slots[group]`, default min(held, budget), which
+        the engine's compaction must match) and, at multiples of their `snapshot_every`, a copy of their
+        state is cached (returned as copies to apply).
+        """
+        request = self._request(request_id)
+        num_new = request.num_scheduled - request.num_computed
+        if num_new == 0:
+            raise ValueError(f"request {request_id!r}: nothing was allocated since the last commit")
+        kept_slots = dict(kept_slots or {})
+        unknown = set(kept_slots) - {s.name for s in self.specs if not s.is_positional}
+        if unknown:
+            raise ValueError(f"kept_slots names groups that are not budgeted: {sorted(unknown)}")
+        self._pool.clock += 1
+        request.num_computed = request.num_scheduled
+        num_tokens = request.num_computed
+        if self.enable_prefix_caching:
+            self._extend_hashes(request)
+        copies: list[PageCopy] = []
+        for group, spec in enumerate(self.specs):
+            if spec.is_positional:
+                self._commit_positional(request, group, spec, num_tokens)
+            else:
+                held = request.kept[group] + num_new
+                kept = kept_slots.get(spec.name, min(held, spec.budget))
+                if not 0 <= kept <= held:
+                    raise ValueError(
+                        f"request {request_id!r}: kept_slots[{spec.name!r}] must be in 0..{held}, got {kept}"
+                    )
+                self._shrink_budgeted(request, group, spec, kept)
+                copies += self._snapshot(request, group, spec, num_tokens)
+        return CommitResult(tuple(copies))
+
+    def _extend_hashes(self, request: _Request) -> None:
+        base = self._cache.base_tokens
+        done = len(request.block_hashes)
+        parent = request.block_hashes[-1] if done else ROOT_HASH
+        end = request.num_computed // base * base
+        if end // base > done:
+            request.block_hashes += chain_hashes(
+                request.token_ids[done * base : end], base, parent_hash=parent
+            )
+
+    def _commit_positional(self, request: _Request, group: int, spec: GroupSpec, num_tokens: int) -> None:
+        tpp = spec.tokens_per_page
+        table = request.tables[group]
+        full_blocks = num_tokens // tpp
+        if self.enable_prefix_caching:
+            for block in range(request.num_registered[group], full_blocks):
+                page = table[block]
+                if page >= 0:
+                    end = (block + 1) * tpp
+                    self._cache.register(group, (page,), self._cache.hash_at(request.block_hashes, end), end)
+            request.num_registered[group] = max(request.num_registered[group], full_blocks)
+        first_needed_block = spec.first_needed_token(num_tokens) // tpp
+        # Release deepest first; eviction order ties on time are broken by depth anyway.
+        for block in range(first_needed_block - 1, request.first_live[group] - 1, -1):
+            if table[block] >= 0:
+                self._pool.decref(group, table[block])
+                table[block] = -1
+        request.first_live[group] = max(request.first_live[group], first_needed_block)
+
+    def _shrink_budgeted(self, request: _Request, group: int, spec: GroupSpec, kept: int) -> None:
+        table = request.tables[group]
+        keep_pages = -(-kept // spec.tokens_per_page)
+        while len(table) > keep_pages:
+            self._pool.decref(group, table.pop())
+        request.kept[group] = kept
+
+    def _snapshot(self, request: _Request, group: int, spec: BudgetedSpec, num_tokens: int) -> list[PageCopy]:
+        kept = request.kept[group]
+        if (
+            not self.enable_prefix_caching
+            or spec.snapshot_every is None
+            or kept == 0
+            or num_tokens % spec.snapshot_every
+            or num_tokens % self._cache.alignment
+        ):
+            return []
+        block_hash = self._cache.hash_at(request.block_hashes, num_tokens)
+        if self._cache.lookup(group, block_hash) is not None:
+            return []
+        source = request.tables[group]
+        counts = [0] * len(self.specs)
+        counts[group] = len(source)
+        journal = self._journal
+        journal.begin()
+        try:
+            pages = self._take_pages(request, counts, hints=[-1] * len(self.specs))
+            if pages is None:  # no room: skip this snapshot, it is only an optimisation
+                journal.rollback()
+                return []
+            self._cache.register(group, pages[group], block_hash, num_tokens)
+            for page in pages[group]:
+                self._pool.decref(group, page)  # owned by the cache alone: evictable from now on
+            journal.commit()
+        except BaseException:
+            if journal.is_open:
+                journal.rollback()
+            raise
+        self._snapshot_slots[(group, block_hash)] = kept
+        return [PageCopy(spec.name, src, dst) for src, dst in zip(source, pages[group])]
+
+    def free(self, request_id: str) -> None:
+        """Drops the request's references: its registered pages become evictable (deepest first), the
+        rest free. Unknown ids are ignored (a request aborted before its first allocate)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        self._pool.clock += 1
+        for group, table in enumerate(request.tables):
+            for page in reversed(table):
+                if page >= 0:
+                    self._pool.decref(group, page)
+
+    # =================================================================================================
+    # Introspection
+    # =================================================================================================
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        return tuple(self._requests)
+
+    def _request(self, request_id: str) -> _Request:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request {request_id!r}") from None
+
+    def block_tables(self, request_id: str) -> dict[str, tuple[int, ...]]:
+        """Per group, the request's page ids: positional groups one per block of tokens (-1 for blocks
+        released or skipped), budgeted groups one per page of kept slots."""
+        request = self._request(request_id)
+        return {spec.name: tuple(table) for spec, table in zip(self.specs, request.tables)}
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._request(request_id).num_computed
+
+    def page_refcount(self, group: str, page: int) -> int:
+        return self._pool.refcount[self.layout.group_index(group)][page]
+
+    def page_state(self, group: str, page: int) -> str:
+        """'free', 'live' (referenced by a request) or 'cached' (evictable prefix page)."""
+        return self._pool.state(self.layout.group_index(group), page)
+
+    def large_page_group(self, large_page: int) -> str | None:
+        """Name of the group a large page is split into, None while it is free."""
+        group = self._pool.large_group[large_page]
+        return None if group < 0 else self.specs[group].name
+
+    def num_free_large_pages(self) -> int:
+        return self._pool.num_free_large()
+
+    def evictable_pages(self, group: str) -> list[int]:
+        """Evictable pages of `group`, in the order they would be evicted."""
+        return self._pool.evictable_in_order(self.layout.group_index(group))
+
+    def uncache(self, group: str, block_hash: bytes) -> bool:
+        """Removes `group`'s cache entry for the prefix named by `block_hash` (no cascade). Evictable pages
+        become free; pages in use stay with their requests. False if there was no entry."""
+        index = self.layout.group_index(group)
+        if self._cache.lookup(index, block_hash) is None:
+            return False
+        self._cache.unregister(index, block_hash)
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Evicts every evictable cache entry; returns how many pages were freed."""
+        freed = 0
+        for group in range(len(self.specs)):
+            while (page := self._pool.oldest_evictable(group)) is not None:
+                before = sum(self._pool.num_evictable)
+                self._cache.evict(group, page)
+                freed += before - sum(self._pool.num_evictable)
+        return freed
+
+    def stats(self) -> PoolStats:
+        """Bytes held, needed, cached and wasted, per group. Walks every live page: O(live pages)."""
+        pool = self._pool
+        needed: list[dict[int, float]] = [{} for _ in self.specs]
+        for request in self._requests.values():
+            num_tokens = request.num_scheduled
+            in_flight = request.num_scheduled - request.num_computed
+            for group, spec in enumerate(self.specs):
+                table, group_needed = request.tables[group], needed[group]
+                if spec.is_positional:
+                    for block in range(request.first_live[group], len(table)):
+                        page = table[block]
+                        if page >= 0:
+                            nbytes = spec.needed_bytes_in_block(block, num_tokens)
+                            if nbytes > group_needed.get(page, -1.0):
+                                group_needed[page] = nbytes
+                else:
+                    slots = request.kept[group] + in_flight
+                    slot_bytes = spec.page_bytes / spec.tokens_per_page
+                    for index, page in enumerate(table):
+                        group_needed[page] = max(0, min(spec.tokens_per_page, slots - index * spec.tokens_per_page)) * slot_bytes
+        held_large = [0] * len(self.specs)
+        free_small = [0] * len(self.specs)
+        for large, group in enumerate(pool.large_group):
+            if group >= 0:
+                held_large[group] += 1
+                free_small[group] += len(pool.large_free_slots[large])
+        live = [0] * len(self.specs)
+        for group in range(len(self.specs)):
+            live[group] = sum(1 for refs in pool.refcount[group] if refs > 0)
+        groups = tuple(
+            GroupStats(
+                name=spec.name,
+                page_bytes=spec.page_bytes,
+                held_large_pages=held_large[g],
+                live_pages=live[g],
+                cached_pages=pool.num_evictable[g],
+                free_pages_in_held_large=free_small[g],
+                needed_bytes=sum(needed[g].values()),
+                slack_bytes=held_large[g] * self.layout.tail_slack_bytes(g),
+            )
+            for g, spec in enumerate(self.specs)
+        )
+        return PoolStats(
+            pool_bytes=self.layout.pool_bytes,
+            large_page_bytes=self.layout.large_page_bytes,
+            num_large_pages=self.layout.num_large_pages,
+            free_large_pages=pool.num_free_large(),
+            groups=groups,
+        )
+
+    def check_invariants(self) -> None:
+        """Recomputes the books from the request tables and cache maps and raises AssertionError on any
+        mismatch. O(pool size); for tests and debugging."""
+        pool, cache = self._pool, self._cache
+        for group, spec in enumerate(self.specs):
+            expected_refs: dict[int, int] = {}
+            owners: dict[int, list[str]] = {}
+            for request in self._requests.values():
+                for page in request.tables[group]:
+                    if page >= 0:
+                        expected_refs[page] = expected_refs.get(page, 0) + 1
+                        owners.setdefault(page, []).append(request.request_id)
+            for page, refs in enumerate(pool.refcount[group]):
+                if refs != expected_refs.get(page, 0):
+                    raise AssertionError(f"group {spec.name}: page {page} refcount {refs} != {expected_refs.get(page, 0)} owners")
+            for page, page_owners in owners.items():
+                if len(page_owners) > 1 and page not in cache.hash_of_page[group]:
+                    raise AssertionError(f"group {spec.name}: unregistered page {page} shared by {page_owners}")
+                if len(page_owners) > 1 and not spec.is_positional:
+                    raise AssertionError(f"group {spec.name}: budgeted page {page} shared by {page_owners}")
+            for page, block_hash in cache.hash_of_page[group].items():
+                if page not in cache.page_of_hash[group].get(block_hash, ()):
+                    raise AssertionError(f"group {spec.name}: cache maps disagree on page {page}")
+                if not pool.cached[group][page]:
+                    raise AssertionError(f"group {spec.name}: registered page {page} not marked cached")
+            marked = sum(pool.cached[group])
+            if marked != len(cache.hash_of_page[group]):
+                raise AssertionError(f"group {spec.name}: {marked} pages marked cached, {len(cache.hash_of_page[group])} registered")
+            evictable = sum(1 for p in range(len(pool.refcount[group])) if pool.state(group, p) == CACHED)
+            if evictable != pool.num_evictable[group]:
+                raise AssertionError(f"group {spec.name}: num_evictable {pool.num_evictable[group]} != {evictable}")
+            if pool.evictable_in_order(group).__len__() != evictable:
+                raise AssertionError(f"group {spec.name}: LRU holds a different number of pages than {evictable}")
+        free_slots = [0] * len(self.specs)
+        for large, group in enumerate(pool.large_group):
+            if group < 0:
+                if large not in pool.free_large:
+                    raise AssertionError(f"untyped large page {large} is not in the free list")
+                continue
+            per = self._per_large[group]
+            pages = range(large * per, (large + 1) * per)
+            states = [pool.state(group, p) for p in pages]
+            slots = pool.large_free_slots[large]
+            if sorted(slots) != [p - large * per for p, s in zip(pages, states) if s == FREE]:
+                raise AssertionError(f"large page {large}: free-slot stack {sorted(slots)} disagrees with page states")
+            if all(s == FREE for s in states):
+                raise AssertionError(f"large page {large} is typed but all its small pages are free")
+            if pool.large_live[large] != states.count(LIVE) or pool.large_cached[large] != states.count(CACHED):
+                raise AssertionError(f"large page {large}: live/cached counters disagree with page states")
+            if (large in pool.partial_set[group]) != bool(slots):
+                raise AssertionError(f"large page {large}: partial-set membership wrong")
+            free_slots[group] += len(slots)
+            if large in pool.free_large:
+                raise AssertionError(f"typed large page {large} is in the free list")
+        if free_slots != pool.num_free_slots:
+            raise AssertionError(f"free-slot counters {pool.num_free_slots} != {free_slots}")
+        if len(set(pool.free_large)) != len(pool.free_large):
+            raise AssertionError("free large-page list has duplicates")
