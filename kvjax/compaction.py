@@ -94,45 +94,35 @@ def compact_layer(state: KVState, layer: int, keep_slots: jax.Array, keep_count:
     )
 
 
-def evict_one_slot(state: KVState, layer: int, victim: jax.Array, evict: jax.Array) -> KVState:
-    """Drop logical slot `victim int32[B, H]` of the heads where `evict bool[B, H]`: the head's last slot
-    moves into the victim's place, the length drops by one, and a page left empty is freed."""
+def evict_one_slot(state: KVState, layer: int, victim: jax.Array, evict: jax.Array, keys: jax.Array) -> KVState:
+    """Drop logical slot `victim int32[B, H]` of the heads where `evict bool[B, H]`.
+
+    The slot becomes the head's hole (slot_pos -1); the next appended token fills it. Nothing in the K/V
+    pool is written: on CPU, XLA copied the whole pool for a scatter whose values it gathered from the
+    same pool, twice per layer per step. The victim page's `kmin`/`kmax` are recomputed exactly from
+    `keys [B, H, S, D]`, the layer's keys in slot order as the policy's view gathered them (gathering
+    them from the pool again here also made XLA copy the pool)."""
     ps, N = state.page_size, state.num_pages
     table = state.page_table[layer]
     B, H, _ = table.shape
     b_idx, h_idx = jnp.arange(B)[:, None], jnp.arange(H)[None, :]
-    length = state.lengths[layer]
-    last = length - 1
-    last_page = jnp.clip(table[b_idx, h_idx, jnp.maximum(last, 0) // ps], 0, N - 1)
-    last_off = jnp.maximum(last, 0) % ps
-    victim_page = jnp.where(evict, table[b_idx, h_idx, victim // ps], N)
-    victim_off = victim % ps
-    state = state.replace(
-        k_pages=state.k_pages.at[victim_page, victim_off].set(state.k_pages[last_page, last_off], mode="drop"),
-        v_pages=state.v_pages.at[victim_page, victim_off].set(state.v_pages[last_page, last_off], mode="drop"),
-        slot_pos=state.slot_pos.at[victim_page, victim_off].set(state.slot_pos[last_page, last_off], mode="drop"),
-        slot_score=state.slot_score.at[victim_page, victim_off].set(state.slot_score[last_page, last_off], mode="drop"),
-    )
-    new_length = jnp.where(evict, last, length)
-    cleared_page = jnp.where(evict, last_page, N)
-    state = state.replace(slot_pos=state.slot_pos.at[cleared_page, last_off].set(-1, mode="drop"))
-    # exact metadata of the two touched pages
-    for logical in (victim // ps, jnp.maximum(new_length - 1, 0) // ps):
-        page = jnp.where(evict & (logical * ps < new_length), table[b_idx, h_idx, logical], N)
-        count = jnp.clip(new_length - logical * ps, 0, ps)
-        kmin, kmax = page_minmax(state.k_pages, page, count)
-        state = state.replace(
-            kmin=state.kmin.at[page].set(kmin.astype(state.kmin.dtype), mode="drop"),
-            kmax=state.kmax.at[page].set(kmax.astype(state.kmax.dtype), mode="drop"),
-        )
-    # a last page left empty is freed
-    emptied = evict & (new_length % ps == 0)
-    empty_logical = new_length // ps
-    state = _push_free(state, jnp.where(emptied, table[b_idx, h_idx, jnp.minimum(empty_logical, table.shape[-1] - 1)], 0), emptied)
-    new_table = table.at[b_idx, h_idx, jnp.where(emptied, empty_logical, table.shape[-1])].set(-1, mode="drop")
+    page = jnp.where(evict, table[b_idx, h_idx, victim // ps], N)
+    slot_pos = state.slot_pos.at[page, victim % ps].set(-1, mode="drop")
+    # exact metadata over the page's remaining slots
+    safe = jnp.clip(page, 0, N - 1)
+    first = (victim // ps * ps)[:, :, None]  # first slot of the victim's page
+    in_page = jnp.minimum(first + jnp.arange(ps)[None, None, :], keys.shape[2] - 1)  # [B, H, ps]
+    page_keys = jnp.take_along_axis(keys, in_page[..., None], axis=2)  # [B, H, ps, D]
+    below = first + jnp.arange(ps)[None, None, :] < state.lengths[layer][:, :, None]
+    keep = (below & (slot_pos[safe] >= 0))[..., None]
+    kmin = jnp.min(jnp.where(keep, page_keys, jnp.inf), axis=-2)
+    kmax = jnp.max(jnp.where(keep, page_keys, -jnp.inf), axis=-2)
     return state.replace(
-        page_table=state.page_table.at[layer].set(new_table),
-        lengths=state.lengths.at[layer].set(new_length),
+        slot_pos=slot_pos,
+        slot_score=state.slot_score.at[page, victim % ps].set(0.0, mode="drop"),
+        kmin=state.kmin.at[page].set(kmin.astype(state.kmin.dtype), mode="drop"),
+        kmax=state.kmax.at[page].set(kmax.astype(state.kmax.dtype), mode="drop"),
+        hole=state.hole.at[layer].set(jnp.where(evict, victim, state.hole[layer])),
     )
 
 
@@ -158,7 +148,8 @@ def kept_positions(state: KVState) -> list:
             for h in range(table.shape[2]):
                 n = int(lengths[l, b, h])
                 pages = table[l, b, h, : pages_for(n, ps)]
-                per_h.append(slot_pos[pages].reshape(-1)[:n].astype(np.int32))
+                held = slot_pos[pages].reshape(-1)[:n]
+                per_h.append(held[held >= 0].astype(np.int32))  # a decode-time eviction hole is skipped
             per_b.append(per_h)
         out.append(per_b)
     return out
@@ -182,7 +173,7 @@ def memory_report(state: KVState) -> dict:
         "bytes_full_cache": int(full_pages.sum() * page_bytes),
         "pages_per_layer": pages.sum(axis=(1, 2)).tolist(),
         "pages_per_layer_head": pages.sum(axis=1).tolist(),
-        "slots_per_layer_head": lengths.sum(axis=1).tolist(),
+        "slots_per_layer_head": (lengths - (np.asarray(state.hole) >= 0)).sum(axis=1).tolist(),
         "free_pages": int(state.num_free),
         "pool_pages": state.num_pages,
     }

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.attention import dense_causal_attention, paged_attention
+from kvjax.attention import dense_causal_attention, dense_decode_attention, paged_attention, sparse_decode_attention
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.models import CausalLM
@@ -111,7 +111,13 @@ def _append_step(params, state: KVState, window, tokens, num_new, last_logits, *
         need_probs = compressed and (
             policy.accumulates_attention or (decoding and policy.evicts_while_decoding)
         )
-        out = paged_attention(inputs.q, inputs.positions, state, layer, return_probs=need_probs)
+        selected = policy.select_pages(layer, inputs.q[:, 0], state) if decoding else None
+        if selected is not None:
+            out = sparse_decode_attention(inputs.q, state, layer, selected)
+        elif decoding and not need_probs:
+            out = dense_decode_attention(inputs.q, state, layer)
+        else:
+            out = paged_attention(inputs.q, inputs.positions, state, layer, return_probs=need_probs)
         if need_probs:
             out, probs = out  # [B, H, G, T, S]
             real = (jnp.arange(C)[None, :] < num_new[:, None])[:, None, None, :, None]
@@ -122,8 +128,9 @@ def _append_step(params, state: KVState, window, tokens, num_new, last_logits, *
                 view = _layer_view(state, layer, cfg.num_layers, seen, probs=probs[:, :, :, 0])
                 scores = jnp.where(view.valid, policy.decode_scores(view), jnp.inf)
                 victim = jnp.argmin(scores, axis=-1).astype(jnp.int32)
-                over = state.lengths[layer] > policy.decode_budget(0)
-                state = evict_one_slot(state, layer, victim, over)
+                held = state.lengths[layer] - (state.hole[layer] >= 0)
+                over = held > policy.decode_budget(0)
+                state = evict_one_slot(state, layer, victim, over, view.k)
         if window is not None:
             q_w, _ = _update_window(window["q"][layer], window["pos"], inputs.q, inputs.positions, num_new)
             window_q.append(q_w)

@@ -47,6 +47,8 @@ class KVState:
     refcount: jax.Array  # int32[N]  references to each page (0 = free)
     next_position: jax.Array  # int32[B]  position of the next token of each sequence
     overflow: jax.Array  # int32[3]  (code, pages needed, pages available) of the first failed step
+    hole: jax.Array  # int32[L, B, H]  a slot below the length freed by decode-time eviction, -1 if none;
+    #                  the next appended token fills it, so eviction never writes the K/V pool
     long_rope: bool = struct.field(pytree_node=False, default=False)  # LongRoPE factor set, fixed at prefill
     # Logical pages attention reads per layer (static), after a policy bounded the layer; None = all.
     read_pages: tuple | None = struct.field(pytree_node=False, default=None)
@@ -117,6 +119,7 @@ def init_state(
         refcount=jnp.zeros((N,), jnp.int32),
         next_position=jnp.zeros((batch,), jnp.int32),
         overflow=jnp.zeros((3,), jnp.int32),
+        hole=jnp.full((L, batch, H), -1, jnp.int32),
         long_rope=long_rope,
     )
 
@@ -130,7 +133,8 @@ def allocate_for_append(state: KVState, num_new: jax.Array, max_new_tokens: int)
     ps, N = state.page_size, state.num_pages
     L, B, H, P = state.page_table.shape
     used = pages_for(state.lengths, ps)  # [L, B, H]
-    new_used = pages_for(state.lengths + num_new[None, :, None], ps)
+    fills_hole = ((state.hole >= 0) & (num_new[None, :, None] > 0)).astype(jnp.int32)
+    new_used = pages_for(state.lengths + num_new[None, :, None] - fills_hole, ps)
     need = (new_used - used).reshape(-1)  # [L*B*H]
     total = jnp.sum(need)
     limit = jnp.asarray([state.layer_read_pages(l) for l in range(L)], jnp.int32)[:, None, None]
@@ -176,9 +180,12 @@ def append_to_layer(
     ps, N = state.page_size, state.num_pages
     B, C, H, _ = k.shape
     lengths = state.lengths[layer]  # [B, H]
-    c = jnp.arange(C, dtype=jnp.int32)
-    slot = lengths[:, None, :] + c[None, :, None]  # [B, C, H]
-    valid = c[None, :, None] < num_new[:, None, None]
+    hole = state.hole[layer]  # [B, H]
+    c = jnp.arange(C, dtype=jnp.int32)[None, :, None]
+    has_hole = (hole >= 0)[:, None, :]
+    # the first new token fills a hole left by eviction; the rest append after the last slot
+    slot = jnp.where(has_hole, jnp.where(c == 0, hole[:, None, :], lengths[:, None, :] + c - 1), lengths[:, None, :] + c)
+    valid = c < num_new[:, None, None]
     logical = jnp.minimum(slot // ps, state.max_pages - 1)
     b_idx = jnp.arange(B)[:, None, None]
     h_idx = jnp.arange(H)[None, None, :]
@@ -192,7 +199,8 @@ def append_to_layer(
         kmin=state.kmin.at[page].min(k, mode="drop"),
         kmax=state.kmax.at[page].max(k, mode="drop"),
         slot_pos=state.slot_pos.at[page, offset].set(jnp.broadcast_to(positions[:, :, None], page.shape), mode="drop"),
-        lengths=state.lengths.at[layer].add(num_new[:, None]),
+        lengths=state.lengths.at[layer].add(num_new[:, None] - ((hole >= 0) & (num_new[:, None] > 0))),
+        hole=state.hole.at[layer].set(jnp.where(num_new[:, None] > 0, -1, hole)),
     )
 
 
@@ -205,7 +213,7 @@ def gather_layer(state: KVState, layer: int):
     k = state.k_pages[pt].reshape(B, H, S, -1)
     v = state.v_pages[pt].reshape(B, H, S, -1)
     pos = state.slot_pos[pt].reshape(B, H, S)
-    valid = jnp.arange(S, dtype=jnp.int32)[None, None, :] < state.lengths[layer][:, :, None]
+    valid = (jnp.arange(S, dtype=jnp.int32)[None, None, :] < state.lengths[layer][:, :, None]) & (pos >= 0)
     return k, v, pos, valid
 
 

@@ -1,0 +1,23 @@
+"""Paged decode-attention kernels for kvjax: Quest page scoring, top-page selection, sparse and dense
+paged decode. Each kernel has a pure-jnp reference (the oracle), a tuned XLA path (the CPU default), a
+Pallas Mosaic TPU kernel and a Pallas GPU kernel; `backend=` overrides the choice by platform."""
+
+from pallas_kernels.decode_reference import paged_decode_reference, sparse_paged_decode_reference
+from pallas_kernels.paged_decode import paged_decode, sparse_paged_decode
+from pallas_kernels.quest_scores import (
+    quest_page_scores,
+    quest_page_scores_reference,
+    select_top_pages,
+    select_top_pages_reference,
+)
+
+__all__ = [
+    "quest_page_scores",
+    "quest_page_scores_reference",
+    "select_top_pages",
+    "select_top_pages_reference",
+    "sparse_paged_decode",
+    "sparse_paged_decode_reference",
+    "paged_decode",
+    "paged_decode_reference",
+]

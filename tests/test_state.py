@@ -37,14 +37,21 @@ def check_invariants(state):
     assert np.all(refcount[used] == 1)
     # metadata equals the min/max over valid slots
     k, kmin, kmax, slot_pos = (np.asarray(x) for x in (state.k_pages, state.kmin, state.kmax, state.slot_pos))
+    holes = np.asarray(state.hole)
     for idx in np.ndindex(*lengths.shape):
         n = int(lengths[idx])
+        hole = int(holes[idx])
+        assert -1 <= hole < n, f"{idx}: hole {hole} outside [0, {n})"
         for p in range(-(-n // ps)):
             page = table[idx][p]
-            valid = min(ps, n - p * ps)
-            np.testing.assert_array_equal(kmin[page], k[page, :valid].min(0))
-            np.testing.assert_array_equal(kmax[page], k[page, :valid].max(0))
-            assert np.all(slot_pos[page, :valid] >= 0) and np.all(slot_pos[page, valid:] == -1)
+            valid = np.arange(ps) < n - p * ps
+            if 0 <= hole - p * ps < ps:
+                valid[hole - p * ps] = False
+                assert slot_pos[page, hole - p * ps] == -1, f"{idx}: the hole holds a position"
+            if valid.any():
+                np.testing.assert_array_equal(kmin[page], k[page][valid].min(0))
+                np.testing.assert_array_equal(kmax[page], k[page][valid].max(0))
+            assert np.all(slot_pos[page][valid] >= 0) and np.all(slot_pos[page][np.arange(ps) >= n - p * ps] == -1)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -167,9 +167,11 @@ class JengaAllocator:
         pool_bytes: size of the device pool; it holds pool_bytes // large_page_bytes large pages.
         large_page_bytes: default: choose_large_page_bytes(page sizes, max_large_page_ratio).
         enable_prefix_caching: cache full blocks (and budgeted snapshots) for reuse.
-        request_aware: Jenga's placement: a request's next small page goes into the large page it last
-            used, else into a fresh large page, before filling other requests' partly used large pages
-            (so a finished request frees whole large pages). False: fill partly used large pages first.
+        fresh_large_page_first: where a small page goes when the large page the request last used for
+            its group is full. False (default): another partly used large page of the group, then a
+            fresh one. True (the Jenga paper's request-aware order): a fresh large page first, so a
+            finished request's small pages tend to free whole large pages. eval/bench_serving.py
+            measures both (docs/jenga.md).
     """
 
     def __init__(
@@ -180,12 +182,12 @@ class JengaAllocator:
         large_page_bytes: int | None = None,
         max_large_page_ratio: int = 8,
         enable_prefix_caching: bool = True,
-        request_aware: bool = True,
+        fresh_large_page_first: bool = False,
     ) -> None:
         self.specs = validate_group_specs(specs)
         self.layout = PoolLayout.from_pool_bytes(self.specs, pool_bytes, large_page_bytes, max_large_page_ratio)
         self.enable_prefix_caching = enable_prefix_caching
-        self.request_aware = request_aware
+        self.fresh_large_page_first = fresh_large_page_first
         self._journal = Journal()
         self._pool = TwoLevelPagePool(self.layout, self._journal)
         self._cache = PrefixCache(self.specs, self._pool, self._journal)
@@ -249,6 +251,12 @@ class JengaAllocator:
 
         counts, live_after = self._page_counts(request, hit, num_new)
         self._check_fits(request_id, request, hit, num_new, live_after)
+        if request is not None and not any(counts):  # most decode steps: the pages are already there
+            if not dry_run:
+                request.num_scheduled += num_new
+                request.token_ids.extend(new_token_ids)
+                return Allocation({s.name: () for s in self.specs})
+            return True
 
         journal = self._journal
         journal.begin()
@@ -403,10 +411,10 @@ class JengaAllocator:
     def _take_pages(self, request: _Request, counts: list[int], hints: list[int] | None = None) -> list[list[int]] | None:
         """Takes counts[g] small pages of every group g, or returns None (the caller rolls back).
 
-        Order for each page (Jenga's request-aware allocation): a free slot in the large page the request
-        last used for this group; a fresh large page; a free slot in another large page of the group;
-        evicting the group's least recently used cached entry; reclaiming a large page of another group
-        that holds only cached pages. Groups whose free slots and evictable pages cannot cover their need
+        Order for each page (request-aware): a free slot in the large page the request last used for this
+        group; a free slot in another large page of the group, then a fresh large page (swapped when
+        fresh_large_page_first); evicting the group's least recently used cached entry; reclaiming a
+        large page of another group that holds only cached pages. Groups whose free slots and evictable pages cannot cover their need
         get their fresh large pages first, so that a group that could evict does not take the last free
         large page from one that cannot.
         """
@@ -420,7 +428,8 @@ class JengaAllocator:
             while deficit > 0:
                 large = pool.take_free_large(group)
                 if large is None:
-                    if self._reclaim_large_page(remaining) is None:
+                    # Not the group's own pages: their cached slots are already counted as capacity.
+                    if self._reclaim_large_page(remaining, exclude_group=group) is None:
                         return None
                     large = pool.take_free_large(group)
                 reserved[group].append(large)
@@ -431,7 +440,7 @@ class JengaAllocator:
                 if large < 0 or pool.large_group[large] != group or not pool.has_free_slot(large):
                     if reserved[group]:
                         large = reserved[group].pop(0)
-                    elif self.request_aware:
+                    elif self.fresh_large_page_first:
                         large = pool.take_free_large(group)
                         if large is None:
                             large = pool.first_partial(group)
@@ -449,15 +458,15 @@ class JengaAllocator:
                     self._set_hint(hints, group, large)
                 taken[group].append(pool.take_slot(group, large))
                 remaining[group] -= 1
-            if reserved[group]:  # pragma: no cover - the deficit arithmetic uses every reserved page
-                raise AssertionError(f"group {self.specs[group].name}: reserved large pages {reserved[group]} unused")
+            for large in reserved[group]:  # evictions on the way freed room elsewhere: give it back
+                pool.release_large_if_empty(large)
         return taken
 
-    def _reclaim_large_page(self, remaining: list[int]) -> int | None:
+    def _reclaim_large_page(self, remaining: list[int], exclude_group: int = -1) -> int | None:
         """Evicts every cached entry in one large page that holds no live page, freeing it. Prefers pages
         of groups that need nothing more in this allocation; returns the freed large page or None."""
         pool = self._pool
-        candidates = pool.reclaimable_large_pages()
+        candidates = [large for large in pool.reclaimable_large_pages() if pool.large_group[large] != exclude_group]
         if not candidates:
             return None
         candidates.sort(key=lambda large: remaining[pool.large_group[large]] > 0)  # stable: keeps LRU order
@@ -656,24 +665,33 @@ class JengaAllocator:
     def stats(self) -> PoolStats:
         """Bytes held, needed, cached and wasted, per group. Walks every live page: O(live pages)."""
         pool = self._pool
-        needed: list[dict[int, float]] = [{} for _ in self.specs]
+        needed = [0.0] * len(self.specs)
+        # A shared page is a full block of a common prefix; its needed bytes never grow with the owner's
+        # length, so it counts once, for the owner with the fewest tokens: page -> (block, tokens).
+        neediest: list[dict[int, tuple[int, int]]] = [{} for _ in self.specs]
         for request in self._requests.values():
             num_tokens = request.num_scheduled
             in_flight = request.num_scheduled - request.num_computed
             for group, spec in enumerate(self.specs):
-                table, group_needed = request.tables[group], needed[group]
-                if spec.is_positional:
-                    for block in range(request.first_live[group], len(table)):
-                        page = table[block]
-                        if page >= 0:
-                            nbytes = spec.needed_bytes_in_block(block, num_tokens)
-                            if nbytes > group_needed.get(page, -1.0):
-                                group_needed[page] = nbytes
-                else:
-                    slots = request.kept[group] + in_flight
-                    slot_bytes = spec.page_bytes / spec.tokens_per_page
-                    for index, page in enumerate(table):
-                        group_needed[page] = max(0, min(spec.tokens_per_page, slots - index * spec.tokens_per_page)) * slot_bytes
+                table = request.tables[group]
+                if not spec.is_positional:
+                    needed[group] += (request.kept[group] + in_flight) * spec.page_bytes / spec.tokens_per_page
+                    continue
+                first = request.first_live[group]
+                needed[group] += spec.needed_bytes_in_range(first, len(table), num_tokens)
+                refs, owners, run_start = pool.refcount[group], neediest[group], None
+                for block in range(first, len(table) + 1):
+                    page = table[block] if block < len(table) else -1
+                    if page >= 0 and refs[page] > 1:
+                        run_start = block if run_start is None else run_start
+                        if page not in owners or num_tokens < owners[page][1]:
+                            owners[page] = (block, num_tokens)
+                    elif run_start is not None:  # take shared runs out; added back once per page below
+                        needed[group] -= spec.needed_bytes_in_range(run_start, block, num_tokens)
+                        run_start = None
+        for group, owners in enumerate(neediest):
+            spec = self.specs[group]
+            needed[group] += sum(spec.needed_bytes_in_block(block, tokens) for block, tokens in owners.values())
         held_large = [0] * len(self.specs)
         free_small = [0] * len(self.specs)
         for large, group in enumerate(pool.large_group):
@@ -681,8 +699,9 @@ class JengaAllocator:
                 held_large[group] += 1
                 free_small[group] += len(pool.large_free_slots[large])
         live = [0] * len(self.specs)
-        for group in range(len(self.specs)):
-            live[group] = sum(1 for refs in pool.refcount[group] if refs > 0)
+        for large, group in enumerate(pool.large_group):
+            if group >= 0:
+                live[group] += pool.large_live[large]
         groups = tuple(
             GroupStats(
                 name=spec.name,
@@ -691,7 +710,7 @@ class JengaAllocator:
                 live_pages=live[g],
                 cached_pages=pool.num_evictable[g],
                 free_pages_in_held_large=free_small[g],
-                needed_bytes=sum(needed[g].values()),
+                needed_bytes=needed[g],
                 slack_bytes=held_large[g] * self.layout.tail_slack_bytes(g),
             )
             for g, spec in enumerate(self.specs)

@@ -173,6 +173,10 @@ class TwoLevelPagePool:
         self.num_free_slots[group] += 1
         self._add_partial(group, large)
 
+    def release_large_if_empty(self, large: int) -> None:
+        """Returns a typed large page whose small pages are all free to the free list."""
+        self._release_large_if_empty(large)
+
     def _release_large_if_empty(self, large: int) -> None:
         group = self.large_group[large]
         if len(self.large_free_slots[large]) != self.per_large[group]:
@@ -224,18 +228,19 @@ class TwoLevelPagePool:
     def incref(self, group: int, page: int) -> None:
         """Adds a reference; a CACHED page becomes LIVE (and leaves the LRU)."""
         refs = self.refcount[group]
-        state = self.state(group, page)
-        if state == FREE:
+        was_cached = refs[page] == 0
+        if was_cached and not self.cached[group][page]:
             raise ValueError(f"cannot reference free page {page} of group {group}")
-        large = self.large_of(group, page)
+        large = page // self.per_large[group]
         refs[page] += 1
-        if state == CACHED:
+        if was_cached:
             self._leave_lru(group, page, large)
-        self.journal.record(lambda: self._undo_incref(group, page, large, state))
+        if self.journal.is_open:
+            self.journal.record(lambda: self._undo_incref(group, page, large, was_cached))
 
-    def _undo_incref(self, group: int, page: int, large: int, state: str) -> None:
+    def _undo_incref(self, group: int, page: int, large: int, was_cached: bool) -> None:
         self.refcount[group][page] -= 1
-        if state == CACHED:
+        if was_cached:
             self._enter_lru(group, page, large)
 
     def decref(self, group: int, page: int) -> None:

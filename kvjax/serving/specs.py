@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, ClassVar
 
 # Bytes per element of the dtypes a cache may use. Kept here (not jnp.dtype) so the allocator is pure host
@@ -58,11 +59,11 @@ class GroupSpec:
     def itemsize(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
-    @property
+    @cached_property
     def page_bytes(self) -> int:
         return math.prod(self.page_shape) * self.itemsize
 
-    @property
+    @cached_property
     def bytes_per_token(self) -> float:
         """Average bytes per cached token (all layers of the group)."""
         return self.page_bytes / self.tokens_per_page
@@ -80,8 +81,12 @@ class GroupSpec:
     def needed_bytes_in_block(self, block_index: int, num_tokens: int) -> float:
         """Bytes of block `block_index` holding tokens some layer of the group still needs, when the
         request has `num_tokens` tokens (computed plus in flight)."""
-        start = max(self.first_needed_token(num_tokens), block_index * self.tokens_per_page)
-        end = min(num_tokens, (block_index + 1) * self.tokens_per_page)
+        return self.needed_bytes_in_range(block_index, block_index + 1, num_tokens)
+
+    def needed_bytes_in_range(self, first_block: int, end_block: int, num_tokens: int) -> float:
+        """needed_bytes_in_block summed over blocks first_block .. end_block - 1, in closed form."""
+        start = max(self.first_needed_token(num_tokens), first_block * self.tokens_per_page)
+        end = min(num_tokens, end_block * self.tokens_per_page)
         return max(0, end - start) * self.bytes_per_token
 
     # --- prefix hits ------------------------------------------------------------------------------------
@@ -202,10 +207,10 @@ class QuestMetadataSpec(_KVLayout):
         entries = self.tokens_per_page // self.quest_page_size
         return (self.num_layers, 2, entries, self.num_kv_heads, self.head_dim)
 
-    def needed_bytes_in_block(self, block_index: int, num_tokens: int) -> float:
+    def needed_bytes_in_range(self, first_block: int, end_block: int, num_tokens: int) -> float:
         # A partly filled Quest page still needs its whole entry.
-        start = block_index * self.tokens_per_page
-        tokens = max(0, min(num_tokens, start + self.tokens_per_page) - start)
+        start = first_block * self.tokens_per_page
+        tokens = max(0, min(num_tokens, end_block * self.tokens_per_page) - start)
         entry_bytes = self.page_bytes * self.quest_page_size // self.tokens_per_page
         return -(-tokens // self.quest_page_size) * entry_bytes
 
@@ -282,26 +287,25 @@ class UniformPagingSpec(GroupSpec):
     def num_layers(self) -> int:
         return sum(m.num_layers for m in self.members)
 
-    @property
+    @cached_property
     def page_shape(self) -> tuple[int, ...]:
         widest = max(math.ceil(m.layer_token_bytes) for m in self.members)
         return (self.num_layers, self.tokens_per_page, widest)
 
-    def needed_bytes_in_block(self, block_index: int, num_tokens: int) -> float:
+    def needed_bytes_in_range(self, first_block: int, end_block: int, num_tokens: int) -> float:
         tpp = self.tokens_per_page
+        start, end = first_block * tpp, min(num_tokens, end_block * tpp)
         total = 0.0
         for member in self.members:
             if member.is_positional:
-                # Blocks of the member are `member.tokens_per_page` long; count this block's token range.
-                start, end = block_index * tpp, min(num_tokens, (block_index + 1) * tpp)
+                # Counted per token: a member with longer pages (Quest) is charged its average bytes.
                 first = max(start, member.first_needed_token(num_tokens))
                 total += max(0, end - first) * member.bytes_per_token
             else:
                 # A budgeted member keeps min(n, budget) of n tokens; which ones is the policy's choice, so
-                # charge every block the kept fraction.
-                tokens_here = max(0, min(num_tokens, (block_index + 1) * tpp) - block_index * tpp)
+                # charge every token the kept fraction.
                 kept_fraction = member.kept_slots(num_tokens) / num_tokens if num_tokens else 0.0
-                total += tokens_here * kept_fraction * member.bytes_per_token
+                total += max(0, end - start) * kept_fraction * member.bytes_per_token
         return total
 
 

@@ -1,0 +1,162 @@
+"""Decode speed per policy against the full cache, on an attention-heavy config where reading the KV
+cache dominates a step: 2 layers of 16 heads of 128 (MHA), hidden 512, MLP 1024, vocab 4096, float32.
+
+For each context (default 8K and 16K) and policy at one budget (default 1024): prefill (not timed against
+anything; one per policy, since eviction happens inside prefill), then decode tokens/s as the median of
+timed steps after a warm-up step, the KV bytes a step reads, and pages in use against the full cache.
+
+    python -m eval.bench_policies              # writes eval/results/policies/bench_policies.{json,md,png}
+    python -m eval.bench_policies --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eval._report import machine_info, markdown_table, write_outputs
+
+POLICIES = {
+    "full": {},
+    "quest": {"dense_layers": 0},
+    "quest_kv": {"dense_layers": 0, "per_kv_head": True},
+    "streaming": {},
+    "h2o": {},
+    "tova": {},
+    "snapkv": {},
+    "ada_snapkv": {},
+    "pyramid": {},
+    "ada_pyramid": {},
+}
+
+
+def attention_heavy_config(vocab: int):
+    return {
+        "model_type": "llama", "vocab_size": vocab, "hidden_size": 512, "intermediate_size": 1024,
+        "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 128,
+        "max_position_embeddings": 65536, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    }
+
+
+def make_policy(name: str, budget: int):
+    import kvjax
+
+    if name == "full":
+        return kvjax.make_policy("full")
+    options = dict(POLICIES[name])
+    base = "quest" if name.startswith("quest") else name
+    return kvjax.make_policy(base, token_budget=budget, **options)
+
+
+def bench_policy(model, prompt, policy, steps: int) -> dict:
+    import kvjax
+    from kvjax.compaction import memory_report
+
+    t = time.perf_counter()
+    state, logits = kvjax.prefill(model, prompt, policy=policy, max_new_tokens=steps + 2)
+    jax.block_until_ready(logits)
+    prefill_s = time.perf_counter() - t
+    report = memory_report(state)
+    token = np.asarray(jnp.argmax(logits, -1))
+    logits, state = kvjax.decode_step(model, state, token, policy=policy)  # compile + warm-up
+    times = []
+    for _ in range(steps):
+        token = np.asarray(jnp.argmax(logits, -1))
+        t = time.perf_counter()
+        logits, state = kvjax.decode_step(model, state, token, policy=policy)
+        jax.block_until_ready(logits)
+        times.append(time.perf_counter() - t)
+    step = statistics.median(times)
+    return {"prefill_s": prefill_s, "decode_step_s": step, "decode_tokens_per_s": 1 / step,
+            "pages_in_use": report["pages_in_use"], "pages_full_cache": report["pages_full_cache"],
+            "kv_bytes_in_use": report["bytes_in_use"]}
+
+
+def kv_bytes_read(name: str, cfg, context: int, budget: int, page_size: int) -> int:
+    """K and V bytes one decode step reads over all layers (plus Quest's min/max metadata)."""
+    per_slot = 2 * cfg.head_dim * 4
+    heads = cfg.num_kv_heads
+    if name == "full":
+        return cfg.num_layers * heads * context * per_slot
+    if name.startswith("quest"):
+        pages = -(-context // page_size)
+        return cfg.num_layers * heads * (budget * per_slot + pages * 2 * cfg.head_dim * 4)
+    return cfg.num_layers * heads * budget * per_slot  # an average budget per head
+
+
+def plot(payload: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in payload["results"]})
+    names = list(dict.fromkeys(r["policy"] for r in payload["results"]))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(contexts)
+    for i, context in enumerate(contexts):
+        rows = {r["policy"]: r for r in payload["results"] if r["context"] == context}
+        ax.bar(np.arange(len(names)) + i * width, [rows[n]["decode_tokens_per_s"] for n in names], width,
+               label=f"{context // 1024}K context")
+    ax.set_xticks(np.arange(len(names)) + width * (len(contexts) - 1) / 2)
+    ax.set_xticklabels(names, rotation=30)
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"decode speed by policy, budget {payload['budget']} (2 layers x 16 heads x 128, f32)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--out", default="eval/results/policies")
+    parser.add_argument("--quick", action="store_true", help="small smoke run")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.contexts, args.budget, args.steps = [1024], 256, 3
+
+    from tqdm import tqdm
+
+    import kvjax
+
+    cfg = kvjax.ModelConfig.from_hf_dict(attention_heavy_config(args.vocab))
+    model = kvjax.Model(cfg, kvjax.init_params(cfg, seed=0))
+    results = []
+    jobs = [(c, p) for c in args.contexts for p in args.policies]
+    for context, name in tqdm(jobs, desc="context x policy"):
+        prompt = np.random.default_rng(context).integers(0, args.vocab, (1, context)).astype(np.int32)
+        row = bench_policy(model, prompt, make_policy(name, args.budget), args.steps)
+        row.update(policy=name, context=context, kv_bytes_read_per_step=kv_bytes_read(name, cfg, context, args.budget, 16))
+        results.append(row)
+    for row in results:
+        full = next(r for r in results if r["context"] == row["context"] and r["policy"] == "full")
+        row["speedup_vs_full"] = row["decode_tokens_per_s"] / full["decode_tokens_per_s"]
+        row["kv_read_gbps"] = row["kv_bytes_read_per_step"] / row["decode_step_s"] / 1e9
+    payload = {"benchmark": "bench_policies", "machine": machine_info(), "budget": args.budget,
+               "config": attention_heavy_config(args.vocab), "timed_steps": args.steps, "results": results}
+    headers = ["context", "policy", "decode tok/s", "speedup vs full", "KV MB read/step", "KV read GB/s",
+               "pages in use / full", "prefill s"]
+    rows = [[r["context"], r["policy"], r["decode_tokens_per_s"], f"{r['speedup_vs_full']:.2f}x",
+             r["kv_bytes_read_per_step"] / 1e6, r["kv_read_gbps"], f"{r['pages_in_use']} / {r['pages_full_cache']}",
+             r["prefill_s"]] for r in results]
+    note = (f"\nBudget {args.budget} slots per kv head (Quest: slots read per head; dense_layers=0 here). "
+            f"{payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores; median of "
+            f"{args.steps} decode steps after a warm-up.\n")
+    table = markdown_table(headers, rows) + note
+    paths = write_outputs(args.out, "bench_policies", payload, table)
+    plot(payload, paths["json"].replace(".json", ".png"))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Quest (Tang et al., 2024): query-aware page selection; every slot is kept.
+
+Each 16-slot page carries the elementwise min and max of its keys. At a decode step a page's score for a
+query q is sum_d max(q_d * min_d, q_d * max_d), an upper bound of q.k over the page. Each head reads the
+top (token_budget / page_size - 1) scored pages plus its current (newest, partial) page, which is always
+read and never scored. Layers below `dense_layers` (2, as in the paper) and prefill stay dense.
+Selection is per query head by default (Quest's simulation repeats kv heads); `per_kv_head=True` makes
+one selection per kv head from the max over its query group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from kvjax.policies.base import Policy, register_policy
+
+
+@register_policy("quest")
+@dataclasses.dataclass(frozen=True)
+class Quest(Policy):
+    token_budget: int = 64  # slots a decode step reads per head (selected pages plus the current one)
+    page_size: int | None = None  # must equal the cache's; None takes the cache's
+    dense_layers: int = 2
+    per_kv_head: bool = False
+
+    def validate(self, page_size: int) -> None:
+        super().validate(page_size)
+        if self.page_size is not None and self.page_size != page_size:
+            raise ValueError(
+                f"quest: page_size={self.page_size} does not match the cache's page_size={page_size}; "
+                "Quest's metadata is per cache page"
+            )
+        if self.token_budget <= 0:
+            raise ValueError(f"quest: token_budget must be > 0, got {self.token_budget}")
+        if self.token_budget // page_size < 2:
+            raise ValueError(
+                f"quest: token_budget={self.token_budget} with page_size={page_size} selects no page besides "
+                f"the current one; token_budget must be >= {2 * page_size}"
+            )
+
+    def pages_to_select(self, page_size: int) -> int:
+        return self.token_budget // page_size - 1
+
+    def select_pages(self, layer: int, q: jax.Array, state) -> jax.Array | None:
+        """q `[B, Hq, D]` -> logical pages `int32[B, Hq or H, K]` (-1 = none), or None in dense layers."""
+        import pallas_kernels
+
+        if layer < self.dense_layers:
+            return None
+        P = state.layer_read_pages(layer)
+        table = state.page_table[layer, :, :, :P]
+        scores = pallas_kernels.quest_page_scores(
+            q, state.kmin, state.kmax, table, state.lengths[layer], page_size=state.page_size,
+            per_kv_head=self.per_kv_head,
+        )
+        return pallas_kernels.select_top_pages(scores, self.pages_to_select(state.page_size))

@@ -1,0 +1,171 @@
+"""Paged decode attention in plain XLA, tuned for CPU.
+
+Pages are gathered a block at a time inside a loop and folded into an online softmax, so gathered pages
+never exist in memory all at once (materialising them costs a full extra write and read). What measured
+fastest on CPU (docs/kernels.md has the numbers):
+
+- (batch, selection row) flattened into one row axis, and no size-1 query axis when a row serves one
+  query head: with them XLA picked 4x slower layouts for the same math.
+- the current page, the only partial one, is attended before the loop with slot masks; inside the loop
+  every listed page is full, and an entry with nothing to read is pointed at a full page its row reads
+  anyway, with its logits masked. Then the gathered values need no NaN mask, which cost ~30%.
+- blocks of a few MiB of K per step (16 pages per row for 32 rows); the loop stops after the last block
+  that holds a page.
+
+- rows serving one query head use broadcast-multiply + reduce, rows serving a kv head's group a batched
+  matmul (einsum) over the flattened block.
+
+`FORMULATIONS` lists the block computations that were compared; "auto" picks as above.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _pages
+
+# How one block of gathered pages is folded into the softmax state:
+#   mulsum : logits and p.v as broadcast-multiply + reduce (XLA maps them to its CPU library fusions)
+#   einsum : logits and p.v as einsum (dot_general; a batched matmul over the group when Gq > 1)
+#   mulsum_barrier : the gathered block materialised first (optimization_barrier), then mulsum
+#   auto : mulsum when a row serves one query head, einsum when it serves a group (fastest measured)
+FORMULATIONS = ("auto", "mulsum", "einsum", "mulsum_barrier")
+DEFAULT_FORMULATION = "auto"
+# K bytes gathered per loop step over all rows (measured best on CPU: 4 MiB for mulsum rows, 2 MiB for
+# grouped einsum rows; 8 MiB and more fell out of cache)
+_BLOCK_BYTES = {"mulsum": 4 << 20, "mulsum_barrier": 4 << 20, "einsum": 2 << 20}
+
+
+def default_pages_per_block(num_rows: int, page_size: int, head_dim: int, formulation: str = "mulsum") -> int:
+    """Pages per row per loop step: `_BLOCK_BYTES` of f32 K over all rows, between 1 and 64 pages."""
+    page_bytes = page_size * head_dim * 4
+    return int(max(1, min(64, _BLOCK_BYTES[formulation] // max(1, num_rows * page_bytes))))
+
+
+def _logits(q, k, formulation):
+    """q [R, Gq, D] (or [R, D] when Gq == 1), k [R, ..., ps, D] -> [R, Gq, ..., ps] (or [R, ..., ps])."""
+    if q.ndim == 2:
+        extra = (None,) * (k.ndim - 2)
+        if formulation == "einsum":
+            return jnp.einsum("rd,r...sd->r...s", q, k)
+        return jnp.sum(k * q[(slice(None), *extra, slice(None))], axis=-1)
+    if formulation == "einsum":
+        flat = jnp.einsum("rgd,rtd->rgt", q, k.reshape(k.shape[0], -1, k.shape[-1]))
+        return flat.reshape(q.shape[:2] + k.shape[1:-1])
+    extra = (None,) * (k.ndim - 2)
+    return jnp.sum(k[:, None] * q[(slice(None), slice(None), *extra, slice(None))], axis=-1)
+
+
+def _weighted_values(probs, v, formulation):
+    """probs [R, (Gq,) ..., ps], v [R, ..., ps, D] -> sum over pages and slots: [R, (Gq,) D]."""
+    grouped = probs.ndim == v.ndim  # probs carries a query axis
+    summed = tuple(range(-1 - (v.ndim - 2), -1))  # the page/slot axes of the product
+    if formulation == "einsum":
+        if grouped:
+            return jnp.einsum("rgt,rtd->rgd", probs.reshape(probs.shape[:2] + (-1,)), v.reshape(v.shape[0], -1, v.shape[-1]))
+        return jnp.einsum("r...s,r...sd->rd", probs, v)
+    product = probs[..., None] * (v[:, None] if grouped else v)
+    return jnp.sum(product, axis=summed)
+
+
+def attend_read_list_xla(
+    q,  # [B, Hq, D]
+    k_pages,  # [N, ps, D]
+    v_pages,  # [N, ps, D]
+    physical,  # int32[B, Hsel, E]  physical page of each entry
+    counts,  # int32[B, Hsel, E]  valid slots per entry; entry 0 is the current page, full pages follow,
+    #                             entries with nothing to read (count 0) come last
+    *,
+    sm_scale: float,
+    pages_per_block: int | None = None,
+    formulation: str = DEFAULT_FORMULATION,
+):
+    """Online-softmax attention of each query head over its row's listed pages.
+
+    Row (b, hs) of the read list serves query heads hs*Gq .. hs*Gq+Gq-1 (Gq = Hq // Hsel).
+    Returns (out f32[B, Hq, D], row_max f32[B, Hq], row_sum f32[B, Hq]) over logits scaled by sm_scale.
+    """
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    batch, num_q_heads, head_dim = q.shape
+    page_size = k_pages.shape[1]
+    num_sel_heads, num_entries = physical.shape[1:]
+    rows, q_per_row = batch * num_sel_heads, num_q_heads // num_sel_heads
+    if formulation == "auto":
+        formulation = "mulsum" if q_per_row == 1 else "einsum"
+    physical = physical.reshape(rows, num_entries)
+    counts = counts.reshape(rows, num_entries)
+    # Scale folded into q: one multiply per query element instead of one per logit.
+    q_rows = (q.astype(jnp.float32) * sm_scale).reshape(rows, q_per_row, head_dim)
+    if q_per_row == 1:
+        q_rows = q_rows[:, 0]  # [R, D]: no size-1 axis (see the module docstring)
+
+    def gather(pool, pages):
+        pages_f32 = pool.at[pages].get(mode="promise_in_bounds")
+        if formulation == "mulsum_barrier":
+            pages_f32 = lax.optimization_barrier(pages_f32)
+        return pages_f32.astype(jnp.float32)
+
+    # 1. The current page (entry 0), masked slot by slot: the only page with slots past the length.
+    slot = jnp.arange(page_size, dtype=jnp.int32)
+    current_valid = slot < counts[:, :1]  # [R, ps]
+    k_current = gather(k_pages, physical[:, 0])  # [R, ps, D]
+    v_current = jnp.where(current_valid[..., None], gather(v_pages, physical[:, 0]), 0.0)
+    if q_per_row > 1:
+        current_valid = current_valid[:, None]
+    logits = jnp.where(current_valid, _logits(q_rows, k_current, formulation), -jnp.inf)
+    row_max = jnp.max(logits, axis=-1)  # finite: the current page holds >= 1 slot
+    probs = jnp.exp(logits - row_max[..., None])
+    row_sum = jnp.sum(probs, axis=-1)
+    acc = _weighted_values(probs, v_current, formulation)
+
+    # 2. Full pages in blocks. Entries with nothing to read point at the row's first full page (finite
+    # values; their logits are masked), or, in rows with no full page at all, their contribution is
+    # dropped as a whole.
+    full_physical, full_counts = physical[:, 1:], counts[:, 1:]
+    num_full = num_entries - 1
+    if num_full == 0:
+        return _finish(acc, row_max, row_sum, batch, num_q_heads, head_dim)
+    if pages_per_block is None:
+        pages_per_block = default_pages_per_block(rows, page_size, head_dim, formulation)
+    pages_per_block = max(1, min(pages_per_block, num_full))
+    num_blocks = _pages.cdiv(num_full, pages_per_block)
+    padded = num_blocks * pages_per_block
+    has_full = full_counts[:, :1] > 0  # [R, 1]
+    readable = full_counts > 0
+    full_physical = jnp.where(readable, full_physical, full_physical[:, :1])
+    full_physical = _pages.pad_axis(full_physical, padded, axis=1, value=0)
+    full_physical = jnp.where(jnp.arange(padded) < num_full, full_physical, full_physical[:, :1])
+    readable = _pages.pad_axis(readable, padded, axis=1, value=False)
+    page_blocks = jnp.swapaxes(full_physical.reshape(rows, num_blocks, pages_per_block), 0, 1)  # [nblk, R, nb]
+    readable_blocks = jnp.swapaxes(readable.reshape(rows, num_blocks, pages_per_block), 0, 1)
+    active_blocks = _pages.cdiv(jnp.max(jnp.sum(full_counts > 0, axis=1)), pages_per_block)
+    row_keep = has_full if q_per_row == 1 else has_full[:, :, None]  # [R, 1] or [R, 1, 1]
+
+    def fold_block(block_index, state):
+        row_max, row_sum, acc = state  # [R(, Gq)], [R(, Gq)], [R, (Gq,) D]
+        block_pages = lax.dynamic_index_in_dim(page_blocks, block_index, keepdims=False)  # [R, nb]
+        block_readable = lax.dynamic_index_in_dim(readable_blocks, block_index, keepdims=False)
+        k = gather(k_pages, block_pages)  # [R, nb, ps, D]
+        v = gather(v_pages, block_pages)
+        page_mask = block_readable[:, :, None] if q_per_row == 1 else block_readable[:, None, :, None]
+        logits = jnp.where(page_mask, _logits(q_rows, k, formulation), -jnp.inf)  # [R, (Gq,) nb, ps]
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=(-2, -1)))  # finite: current page seen
+        rescale = jnp.exp(row_max - new_max)
+        probs = jnp.exp(logits - new_max[..., None, None])
+        weighted = jnp.where(row_keep, _weighted_values(probs, v, formulation), 0.0)
+        row_sum = row_sum * rescale + jnp.sum(probs, axis=(-2, -1))
+        return new_max, row_sum, acc * rescale[..., None] + weighted
+
+    row_max, row_sum, acc = lax.fori_loop(0, active_blocks, fold_block, (row_max, row_sum, acc))
+    return _finish(acc, row_max, row_sum, batch, num_q_heads, head_dim)
+
+
+def _finish(acc, row_max, row_sum, batch, num_q_heads, head_dim):
+    out = acc / row_sum[..., None]
+    return (
+        out.reshape(batch, num_q_heads, head_dim),
+        row_max.reshape(batch, num_q_heads),
+        row_sum.reshape(batch, num_q_heads),
+    )

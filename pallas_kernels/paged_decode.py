@@ -1,0 +1,185 @@
+"""Decode attention over a paged KV pool: sparse (selected pages + the current page) and dense.
+
+The public entry points validate their inputs, clean the selection and dispatch to a backend:
+"reference" (the pure-jnp oracle), "xla" (tuned for CPU, the CPU default), "pallas_tpu" (Mosaic kernel
+with scalar-prefetched tables) or "pallas_gpu" (Pallas Triton kernel gathering pages in-kernel).
+"""
+
+from __future__ import annotations
+
+from pallas_kernels import _pages
+from pallas_kernels._backend import resolve_backend, resolve_interpret
+from pallas_kernels._validation import check_decode_inputs, resolve_sm_scale
+from pallas_kernels.decode_reference import paged_decode_reference, sparse_paged_decode_reference
+from pallas_kernels.decode_xla import attend_read_list_xla
+
+__all__ = ["sparse_paged_decode", "paged_decode", "sparse_paged_decode_reference", "paged_decode_reference"]
+
+
+def _finish(q, out, row_max, row_sum, return_stats):
+    out = out.astype(q.dtype)
+    return (out, row_max, row_sum) if return_stats else out
+
+
+def sparse_paged_decode(
+    q,  # [B, Hq, D]
+    k_pages,  # [N, ps, D]
+    v_pages,  # [N, ps, D]
+    page_table,  # int32[B, KVH, P]; -1 = unallocated
+    selected,  # int32[B, Hsel, K] logical pages, Hsel = Hq (per query head) or KVH (per kv head); -1 = none
+    lengths,  # int32[B, KVH]; 1 <= lengths <= P * ps
+    *,
+    sm_scale=None,
+    return_stats=False,
+    backend=None,
+    interpret=None,
+    pages_per_block=None,
+    num_splits=None,
+    formulation=None,
+):
+    """Attention of one decode query per head over its selected pages plus its current page.
+
+    Query head hq reads kv head hq // G (G = Hq // KVH) and selection row hq (Hsel = Hq) or hq // G
+    (Hsel = KVH). The current page, (length - 1) // ps, is always read and only below the length; a
+    selected page is read in full. Entries that are -1, outside the used pages, equal to the current page,
+    or repeated are read once or not at all (set semantics).
+
+    Args:
+      sm_scale: logit scale, default 1/sqrt(D).
+      return_stats: also return row max m and row sum l, f32[B, Hq], of the scaled logits, so that
+        p = exp(s * sm_scale - m) / l.
+      backend: None (by `jax.default_backend()`), "reference", "xla", "pallas_tpu" or "pallas_gpu".
+      interpret: for Pallas backends; None interprets off their own platform.
+      pages_per_block, num_splits: tuning of the loop/grid (None = heuristic); formulation: the XLA
+        path's block computation (see `decode_xla.FORMULATIONS`).
+
+    Returns:
+      out [B, Hq, D] in q's dtype (and row max, row sum f32[B, Hq] with `return_stats`).
+    """
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return sparse_paged_decode_reference(
+            q, k_pages, v_pages, page_table, selected, lengths, sm_scale=sm_scale, return_stats=return_stats
+        )
+    dims = check_decode_inputs(
+        q, k_pages, v_pages, page_table, lengths, selected, strict_page_size=backend != "xla"
+    )
+    sm_scale = resolve_sm_scale(sm_scale, dims.head_dim)
+    selected = _pages.normalize_selection(selected, lengths, dims.page_size)
+    if backend == "xla":
+        logical, counts = _pages.sparse_read_list(selected, lengths, dims.page_size)
+        physical = _pages.physical_pages(page_table, logical, dims.num_pages)
+        out, row_max, row_sum = attend_read_list_xla(
+            q,
+            k_pages,
+            v_pages,
+            physical,
+            counts,
+            sm_scale=sm_scale,
+            pages_per_block=pages_per_block,
+            **({"formulation": formulation} if formulation else {}),
+        )
+    elif backend == "pallas_tpu":
+        from pallas_kernels.decode_tpu import decode_tpu
+
+        out, row_max, row_sum = decode_tpu(
+            q,
+            k_pages,
+            v_pages,
+            page_table,
+            lengths,
+            selected,
+            sm_scale=sm_scale,
+            interpret=resolve_interpret(backend, interpret),
+            pages_per_block=pages_per_block,
+            num_splits=num_splits,
+        )
+    else:
+        from pallas_kernels.decode_gpu import decode_gpu
+
+        logical, counts = _pages.sparse_read_list(selected, lengths, dims.page_size)
+        physical = _pages.physical_pages(page_table, logical, dims.num_pages)
+        out, row_max, row_sum = decode_gpu(
+            q,
+            k_pages,
+            v_pages,
+            physical,
+            counts,
+            sm_scale=sm_scale,
+            interpret=resolve_interpret(backend, interpret),
+            pages_per_block=pages_per_block,
+            num_splits=num_splits,
+        )
+    return _finish(q, out, row_max, row_sum, return_stats)
+
+
+def paged_decode(
+    q,  # [B, Hq, D]
+    k_pages,  # [N, ps, D]
+    v_pages,  # [N, ps, D]
+    page_table,  # int32[B, KVH, P]; -1 = unallocated
+    lengths,  # int32[B, KVH]; 1 <= lengths <= P * ps
+    *,
+    sm_scale=None,
+    return_stats=False,
+    backend=None,
+    interpret=None,
+    pages_per_block=None,
+    num_splits=None,
+    formulation=None,
+):
+    """Dense paged decode: attention of each query head over every valid slot of its kv head.
+
+    Equal to `sparse_paged_decode` with every page selected. Arguments and results as there.
+    """
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return paged_decode_reference(
+            q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale, return_stats=return_stats
+        )
+    dims = check_decode_inputs(q, k_pages, v_pages, page_table, lengths, strict_page_size=backend != "xla")
+    sm_scale = resolve_sm_scale(sm_scale, dims.head_dim)
+    if backend == "pallas_tpu":
+        from pallas_kernels.decode_tpu import decode_tpu
+
+        out, row_max, row_sum = decode_tpu(
+            q,
+            k_pages,
+            v_pages,
+            page_table,
+            lengths,
+            None,
+            sm_scale=sm_scale,
+            interpret=resolve_interpret(backend, interpret),
+            pages_per_block=pages_per_block,
+            num_splits=num_splits,
+        )
+        return _finish(q, out, row_max, row_sum, return_stats)
+    logical, counts = _pages.dense_read_list(lengths, dims.max_pages, dims.page_size)
+    physical = _pages.physical_pages(page_table, logical, dims.num_pages)
+    if backend == "xla":
+        out, row_max, row_sum = attend_read_list_xla(
+            q,
+            k_pages,
+            v_pages,
+            physical,
+            counts,
+            sm_scale=sm_scale,
+            pages_per_block=pages_per_block,
+            **({"formulation": formulation} if formulation else {}),
+        )
+    else:
+        from pallas_kernels.decode_gpu import decode_gpu
+
+        out, row_max, row_sum = decode_gpu(
+            q,
+            k_pages,
+            v_pages,
+            physical,
+            counts,
+            sm_scale=sm_scale,
+            interpret=resolve_interpret(backend, interpret),
+            pages_per_block=pages_per_block,
+            num_splits=num_splits,
+        )
+    return _finish(q, out, row_max, row_sum, return_stats)
