@@ -38,7 +38,8 @@ def adaptive_budgets(policy, view: LayerView, scores: jax.Array, per_head: int) 
         return jnp.round(count * (1 - policy.alpha) + policy.alpha * base).astype(jnp.int32) + window
     # kvpress: protect each head's top alpha * per_head, then the layer's top H * per_head overall
     safe = int(per_head * policy.alpha)
-    if safe > 0:
+    if policy.alpha > 0:
+        safe = max(1, safe)  # kvpress keeps at least one safeguarded slot per head
         kth = jax.lax.top_k(scores, safe)[0][..., -1:]
         scores = jnp.where(scores >= kth, jnp.finfo(jnp.float32).max, scores)
     scores = jnp.where(jnp.isposinf(scores), jnp.finfo(jnp.float32).max, scores)

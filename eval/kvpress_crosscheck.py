@@ -1,0 +1,111 @@
+"""Cross-check kvjax's kvpress-compatible policies against kvpress 0.5.x on the same random weights.
+
+kvpress pins transformers < 5.3, so it lives in its own venv (`.venv-kvpress`, made by `--setup`). The
+runner (eval/_kvpress_runner.py) builds a tiny random Llama in that venv, saves it, and records what each
+press keeps; kvjax loads the saved weights, prefills the same prompt with the matching policy, and the
+kept positions per (layer, kv head) are compared. A difference counts as a tie only when kvpress's own
+scores of the two positions agree within `--tol` (relative to the layer's largest score).
+
+    python -m eval.kvpress_crosscheck --setup     # one command: make the venv if needed, run, report
+
+Options that match kvpress (they differ from the papers' defaults; see docs/design.md):
+  snapkv:     window 64, avg pooling with kernel 5, budget includes the window
+  ada_snapkv: form="kvpress", alpha 0.2 (each head's top alpha * budget protected, then the layer's top)
+  streaming:  4 sinks + the most recent; tova: the last query's head-averaged attention, last token kept
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+VENV = ".venv-kvpress"
+PAIRS = {  # kvpress press -> (kvjax policy, options beyond the budget)
+    "snapkv": ("snapkv", {"window": 64, "kernel_size": 5, "pooling": "avg"}),
+    "streaming": ("streaming", {"sink_size": 4}),
+    "tova": ("tova", {}),
+    "adakv_snapkv": ("ada_snapkv", {"window": 64, "kernel_size": 5, "pooling": "avg", "alpha": 0.2, "form": "kvpress"}),
+}
+
+
+def setup_venv(venv: str) -> str:
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+        # torch first, pinned to the CPU build, so kvpress's torch requirement installs nothing more
+        subprocess.run([python, "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", "kvpress==0.5.5"], check=True)
+    return python
+
+
+def run_kvpress(python: str, spec: dict) -> dict:
+    runner = os.path.join(os.path.dirname(__file__), "_kvpress_runner.py")
+    result = subprocess.run([python, runner, json.dumps(spec)], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"kvpress runner failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout)
+
+
+def compare(ours: list, theirs: list, scores: list, tol: float) -> dict:
+    """Per (layer, head): positions kept by one side only, and whether kvpress's scores tie them."""
+    differing, ties, same_counts = 0, 0, True
+    for layer, (ours_l, theirs_l) in enumerate(zip(ours, theirs)):
+        for head, (a, b) in enumerate(zip(ours_l, theirs_l)):
+            s = np.asarray(scores[layer][head])
+            # pair the swapped positions by kvpress's score, best first
+            only_ours = sorted(set(a) - set(b), key=lambda t: -s[t])
+            only_theirs = sorted(set(b) - set(a), key=lambda t: -s[t])
+            differing += len(only_ours)
+            scale = np.max(np.abs(s[np.isfinite(s)])) if np.isfinite(s).any() else 1.0
+            for x, y in zip(only_ours, only_theirs):
+                if abs(s[x] - s[y]) <= tol * scale:
+                    ties += 1
+            same_counts &= len(only_ours) == len(only_theirs)
+    return {"differing_positions": differing, "explained_by_ties": ties, "same_counts_per_head": same_counts,
+            "exact": differing == 0 and same_counts, "agrees": differing == ties and same_counts}
+
+
+def crosscheck(python: str, length: int = 512, budget: int = 128, seed: int = 0, tol: float = 1e-5) -> dict:
+    import kvjax
+    from kvjax.compaction import kept_positions
+
+    prompt = np.random.default_rng(seed).integers(0, 128, length).tolist()
+    with tempfile.TemporaryDirectory() as model_dir:
+        spec = {"model_dir": model_dir, "seed": seed, "prompt": prompt, "ratio": 1 - budget / length,
+                "window": 64, "kernel": 5, "alpha": 0.2}
+        pressed = run_kvpress(python, spec)
+        model = kvjax.load_model(model_dir)
+        report = {}
+        for press, (name, options) in PAIRS.items():
+            policy = kvjax.make_policy(name, token_budget=budget, **options)
+            state, _ = kvjax.prefill(model, [prompt], policy=policy, chunk_size=128)
+            ours = [[sorted(p.tolist()) for p in per_layer[0]] for per_layer in kept_positions(state)]
+            report[name] = compare(ours, pressed[press]["kept"], pressed[press]["scores"], tol)
+    return report
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setup", action="store_true", help=f"create {VENV} with kvpress if it is missing")
+    parser.add_argument("--python", default=os.path.join(VENV, "bin", "python"), help="the kvpress venv's python")
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--tol", type=float, default=1e-5)
+    args = parser.parse_args(argv)
+    python = setup_venv(VENV) if args.setup else args.python
+    if not os.path.exists(python):
+        raise SystemExit(f"no kvpress venv at {python}: run with --setup")
+    report = crosscheck(python, args.length, args.budget, tol=args.tol)
+    print(json.dumps(report, indent=2))
+    if not all(r["agrees"] for r in report.values()):
+        raise SystemExit("kvjax and kvpress keep different positions beyond score ties")
+
+
+if __name__ == "__main__":
+    main()
