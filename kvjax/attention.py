@@ -70,3 +70,57 @@ def sparse_decode_attention(q: jax.Array, state: KVState, layer: int, selected: 
 
     table, lengths = _layer_table(state, layer)
     return pallas_kernels.sparse_paged_decode(q[:, 0], state.k_pages, state.v_pages, table, selected, lengths)[:, None]
+
+
+def blocked_paged_attention(
+    q: jax.Array, q_positions: jax.Array, state: KVState, layer: int, block_pages: int = 32,
+    scale: float | None = None,
+) -> jax.Array:
+    """`paged_attention` for a chunk of queries, computed block by block with an online softmax.
+
+    The loop visits only blocks of `block_pages` logical pages below the longest head's length (a dynamic
+    trip count), so a prefill chunk costs what has been written so far rather than the whole capacity,
+    and no `[.., T, S]` score tensor over the capacity is ever materialised. Returns `[B, T, Hq, D]`.
+    """
+    B, T, Hq, D = q.shape
+    ps, N = state.page_size, state.num_pages
+    table = state.page_table[layer, :, :, : state.layer_read_pages(layer)]
+    H, P = table.shape[1], table.shape[2]
+    G = Hq // H
+    block_pages = max(1, min(block_pages, P))
+    num_blocks = -(-P // block_pages)
+    table = jnp.pad(table, ((0, 0), (0, 0), (0, num_blocks * block_pages - P)), constant_values=-1)
+    lengths = state.lengths[layer]  # [B, H]
+    block_slots = block_pages * ps
+    scale = D**-0.5 if scale is None else scale
+    qg = (_grouped(q, H) * scale).astype(q.dtype)  # [B, T, H, G, D]
+
+    def body(i, carry):
+        m, l, acc = carry  # [B, H, G, T], [B, H, G, T], [B, T, H, G, D]
+        pages = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages, axis=2)  # [B, H, bp]
+        safe = jnp.clip(pages, 0, N - 1)
+        k = state.k_pages[safe].reshape(B, H, block_slots, D)
+        v = state.v_pages[safe].reshape(B, H, block_slots, D)
+        pos = state.slot_pos[safe].reshape(B, H, block_slots)
+        slot = i * block_slots + jnp.arange(block_slots)
+        valid = (slot[None, None, :] < lengths[:, :, None]) & (pos >= 0) & jnp.repeat(pages >= 0, ps, axis=-1)
+        visible = valid[:, :, None, None, :] & (pos[:, :, None, None, :] <= q_positions[:, None, None, :, None])
+        s = jnp.einsum("bthgd,bhsd->bhgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        s = jnp.where(visible, s, _MASKED)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None]) * visible
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(-1)
+        pv = jnp.einsum("bhgts,bhsd->bthgd", p.astype(q.dtype), v.astype(q.dtype), preferred_element_type=jnp.float32)
+        acc = acc * jnp.moveaxis(correction, 3, 1)[..., None] + pv
+        return m_new, l, acc
+
+    init = (
+        jnp.full((B, H, G, T), _MASKED, jnp.float32),
+        jnp.zeros((B, H, G, T), jnp.float32),
+        jnp.zeros((B, T, H, G, D), jnp.float32),
+    )
+    blocks_used = (jnp.max(lengths) + block_slots - 1) // block_slots
+    _, l, acc = jax.lax.fori_loop(0, blocks_used, body, init)
+    out = acc / jnp.maximum(jnp.moveaxis(l, 3, 1), 1e-30)[..., None]
+    return out.reshape(B, T, Hq, D).astype(q.dtype)

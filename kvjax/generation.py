@@ -16,7 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.attention import dense_causal_attention, dense_decode_attention, paged_attention, sparse_decode_attention
+from kvjax.attention import (
+    blocked_paged_attention,
+    dense_causal_attention,
+    dense_decode_attention,
+    paged_attention,
+    sparse_decode_attention,
+)
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.models import CausalLM
@@ -116,6 +122,8 @@ def _append_step(params, state: KVState, window, tokens, num_new, last_logits, *
             out = sparse_decode_attention(inputs.q, state, layer, selected)
         elif decoding and not need_probs:
             out = dense_decode_attention(inputs.q, state, layer)
+        elif not need_probs:
+            out = blocked_paged_attention(inputs.q, inputs.positions, state, layer)
         else:
             out = paged_attention(inputs.q, inputs.positions, state, layer, return_probs=need_probs)
         if need_probs:

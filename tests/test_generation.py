@@ -132,3 +132,14 @@ def test_top_p_keeps_only_the_nucleus():
         tok, _ = sample_tokens(logits, jax.random.PRNGKey(seed), temperature=1.0, top_p=0.75)
         seen.add(int(tok[0]))
     assert seen == {0, 1}
+
+
+def test_prefill_over_several_page_blocks_matches_dense(llama):
+    """Small pages put the prompt in several 32-page blocks of the blocked prefill attention."""
+    _, model = llama
+    tokens = random_tokens(13, (2, 230))
+    dense = np.asarray(kvjax.forward_logits(model, tokens))
+    state, last = kvjax.prefill(model, [tokens[0, :230].tolist(), tokens[1, :170].tolist()], chunk_size=64,
+                                page_size=2, max_new_tokens=3)
+    np.testing.assert_allclose(np.asarray(last[0]), dense[0, 229], atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(last[1]), dense[1, 169], atol=TOL, rtol=0)
