@@ -35,7 +35,7 @@ from kvjax.state import (
     add_slot_scores,
     allocate_for_append,
     append_to_layer,
-    check_capacity,
+    CacheCapacityError,
     gather_layer,
     init_state,
     overflow_error,
@@ -55,10 +55,6 @@ def _bucketed(tokens: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- steps
-
-
-def _rope(cfg: ModelConfig, long_rope: bool):
-    return rope_frequencies(cfg, long_rope)
 
 
 def _layer_view(state: KVState, layer: int, num_layers: int, next_position, **extra) -> LayerView:
@@ -145,7 +141,7 @@ def _append_step(params, state: KVState, window, tokens, num_new, last_logits, *
         return out, state
 
     module = CausalLM(cfg, dtype)
-    rope = _rope(cfg, state.long_rope)
+    rope = rope_frequencies(cfg, state.long_rope)
     hidden, state = module.apply({"params": params}, tokens, positions, rope, attend, state)
     if window is not None:
         _, window_pos = _update_window(window["q"][0], window["pos"], jnp.zeros((B, C) + window["q"].shape[3:], window["q"].dtype), positions, num_new)
@@ -184,7 +180,7 @@ def _dense_logits(params, tokens, *, cfg: ModelConfig, dtype, long_rope: bool):
 
     module = CausalLM(cfg, dtype)
     logits, _ = module.apply(
-        {"params": params}, tokens, positions, _rope(cfg, long_rope), attend, None, method=CausalLM.hidden_and_logits
+        {"params": params}, tokens, positions, rope_frequencies(cfg, long_rope), attend, None, method=CausalLM.hidden_and_logits
     )
     return logits
 
@@ -282,13 +278,9 @@ def _prefill_rows(
     _warn_sliding_window(cfg, declared_length)
     lengths = np.array([len(r) for r in rows], np.int32)
     B, longest = len(rows), int(lengths.max())
-    per_head = max(policy.slots_needed(int(n), reserve_tokens, chunk_size) for n in lengths)
-    state_max_pages = pages_for(capacity, page_size)
-    total = sum(
-        cfg.num_layers * cfg.num_kv_heads * pages_for(policy.slots_needed(int(n), reserve_tokens, chunk_size), page_size)
-        for n in lengths
-    )
-    check_capacity(pages_for(per_head, page_size), total, state_max_pages, cfg.num_layers * B * cfg.num_kv_heads * state_max_pages)
+    slots_needed = max(policy.slots_needed(int(n), reserve_tokens, chunk_size) for n in lengths)
+    if slots_needed > pages_for(capacity, page_size) * page_size:
+        raise_capacity(slots_needed, capacity, page_size)
 
     state = init_state(
         cfg, B, capacity, page_size, dtype=model.dtype, long_rope=uses_long_factors(cfg, declared_length)
@@ -404,8 +396,6 @@ def generate(
         raise ValueError(f"decode_last must be in [0, shortest prompt length {shortest}), got {decode_last}")
     needed = longest + max_new_tokens
     capacity = _bucketed(needed) if capacity is None else capacity
-    if capacity < needed and type(policy).slots_needed is Policy.slots_needed:
-        raise_capacity(needed, capacity, page_size)
     eos = model.eos_token_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
 
     state, logits = _prefill_rows(
@@ -439,10 +429,9 @@ def generate(
 
 
 def raise_capacity(needed_tokens: int, capacity: int, page_size: int):
-    from kvjax.state import CacheCapacityError
-
+    """Raise, before any work, for a request whose (layer, head) would hold more slots than capacity."""
     raise CacheCapacityError(
-        f"prompt plus max_new_tokens needs {needed_tokens} tokens ({pages_for(needed_tokens, page_size)} pages "
+        f"the prompt plus max_new_tokens needs {needed_tokens} tokens ({pages_for(needed_tokens, page_size)} pages "
         f"per layer and head) but capacity is {capacity} tokens ({pages_for(capacity, page_size)} pages)",
         pages_for(needed_tokens, page_size),
         pages_for(capacity, page_size),

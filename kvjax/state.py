@@ -236,22 +236,6 @@ def overflow_error(state: KVState) -> CacheCapacityError | None:
     return CacheCapacityError(msg, needed, available)
 
 
-def check_capacity(pages_needed_per_head: int, total_pages_needed: int, state_max_pages: int, num_pages: int):
-    """Raise `CacheCapacityError` before any work when a request cannot fit."""
-    if pages_needed_per_head > state_max_pages:
-        raise CacheCapacityError(
-            f"request needs {pages_needed_per_head} pages per (layer, head) but capacity allows {state_max_pages}",
-            pages_needed_per_head,
-            state_max_pages,
-        )
-    if total_pages_needed > num_pages:
-        raise CacheCapacityError(
-            f"request needs {total_pages_needed} pages in all but the pool has {num_pages}",
-            total_pages_needed,
-            num_pages,
-        )
-
-
 def add_slot_scores(state: KVState, layer: int, delta: jax.Array) -> KVState:
     """Add `delta f32[B, H, S]` (in `gather_layer`'s slot order) to the layer's `slot_score`."""
     P = state.layer_read_pages(layer)
@@ -274,7 +258,6 @@ __all__ = [
     "KVState",
     "allocate_for_append",
     "append_to_layer",
-    "check_capacity",
     "gather_layer",
     "init_state",
     "overflow_error",
