@@ -71,3 +71,15 @@ def triton_compiler_params(num_warps: int = 4, num_stages: int = 2):
     if params_cls is None:
         return None
     return params_cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def any_memory_space():
+    """The "leave it where it is" (HBM) memory space: `pl.ANY`, or `pltpu.ANY` in JAX versions without it."""
+    from jax.experimental import pallas as pl
+
+    space = getattr(pl, "ANY", None)
+    if space is None:
+        from jax.experimental.pallas import tpu as pltpu
+
+        space = pltpu.ANY
+    return space

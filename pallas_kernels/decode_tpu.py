@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _pages
-from pallas_kernels._backend import tpu_compiler_params
+from pallas_kernels._backend import any_memory_space, tpu_compiler_params
 
 STATS_LANES = 128  # row max / row sum are stored broadcast over one lane tile
 
@@ -265,13 +265,14 @@ def decode_tpu(
         precision=precision,
     )
     buffer_shape = (2, pages_per_block, page_size, head_dim)
+    in_hbm = pl.BlockSpec(memory_space=any_memory_space())
     acc, row_max, row_sum = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalar_args),
             grid=(batch, num_sel_heads, num_splits, blocks_per_split),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[q_spec, in_hbm, in_hbm],
             out_specs=[acc_spec, stats_spec, stats_spec],
             scratch_shapes=[
                 pltpu.VMEM(buffer_shape, k_pages.dtype),

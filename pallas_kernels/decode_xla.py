@@ -63,7 +63,8 @@ def _weighted_values(probs, v, formulation):
     summed = tuple(range(-1 - (v.ndim - 2), -1))  # the page/slot axes of the product
     if formulation == "einsum":
         if grouped:
-            return jnp.einsum("rgt,rtd->rgd", probs.reshape(probs.shape[:2] + (-1,)), v.reshape(v.shape[0], -1, v.shape[-1]))
+            flat_probs = probs.reshape(probs.shape[:2] + (-1,))  # [R, Gq, T]
+            return jnp.einsum("rgt,rtd->rgd", flat_probs, v.reshape(v.shape[0], -1, v.shape[-1]))
         return jnp.einsum("r...s,r...sd->rd", probs, v)
     product = probs[..., None] * (v[:, None] if grouped else v)
     return jnp.sum(product, axis=summed)
@@ -102,10 +103,10 @@ def attend_read_list_xla(
         q_rows = q_rows[:, 0]  # [R, D]: no size-1 axis (see the module docstring)
 
     def gather(pool, pages):
-        pages_f32 = pool.at[pages].get(mode="promise_in_bounds")
+        gathered = pool.at[pages].get(mode="promise_in_bounds")  # pages are clamped into the pool
         if formulation == "mulsum_barrier":
-            pages_f32 = lax.optimization_barrier(pages_f32)
-        return pages_f32.astype(jnp.float32)
+            gathered = lax.optimization_barrier(gathered)
+        return gathered.astype(jnp.float32)
 
     # 1. The current page (entry 0), masked slot by slot: the only page with slots past the length.
     slot = jnp.arange(page_size, dtype=jnp.int32)

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _pages
-from pallas_kernels._backend import tpu_compiler_params
+from pallas_kernels._backend import any_memory_space, tpu_compiler_params
 
 LANES = 128
 
@@ -125,8 +125,8 @@ def quest_scores_tpu(
             grid=(batch, num_kv_heads, num_blocks),
             in_specs=[
                 pl.BlockSpec((None, group, None, head_dim), lambda b, h, j, *_: (b, h, 0, 0)),
-                pl.BlockSpec(memory_space=pl.ANY),
-                pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec(memory_space=any_memory_space()),
+                pl.BlockSpec(memory_space=any_memory_space()),
             ],
             out_specs=pl.BlockSpec((None, None, group, pages_per_block), lambda b, h, j, *_: (b, h, 0, j)),
             scratch_shapes=[

@@ -1,0 +1,81 @@
+"""The Pallas kernels lower for their native platforms from this CPU machine.
+
+Nothing here runs on a GPU or TPU: `lower(lowering_platforms=...)` runs the Pallas -> Triton (GPU) and
+Pallas -> Mosaic (TPU, for a simulated TPU v5e) lowerings, which reject unsupported operations, block
+shapes and memory spaces. Final compilation (ptxas, libtpu) happens only on the device.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels as pk
+
+B, HQ, KVH, D, PS, P, N, K = 2, 8, 2, 128, 16, 64, 300, 7
+
+
+def abstract_args(dtype, per_kv_head):
+    s = jax.ShapeDtypeStruct
+    return dict(
+        q=s((B, HQ, D), dtype),
+        k_pages=s((N, PS, D), dtype),
+        v_pages=s((N, PS, D), dtype),
+        kmin=s((N, D), dtype),
+        kmax=s((N, D), dtype),
+        page_table=s((B, KVH, P), jnp.int32),
+        selected=s((B, KVH if per_kv_head else HQ, K), jnp.int32),
+        lengths=s((B, KVH), jnp.int32),
+    )
+
+
+def kernels(backend):
+    return {
+        "sparse_paged_decode": lambda a: pk.sparse_paged_decode(
+            a["q"], a["k_pages"], a["v_pages"], a["page_table"], a["selected"], a["lengths"],
+            backend=backend, interpret=False, return_stats=True),
+        "paged_decode": lambda a: pk.paged_decode(
+            a["q"], a["k_pages"], a["v_pages"], a["page_table"], a["lengths"], backend=backend, interpret=False),
+        "quest_page_scores": lambda a: pk.quest_page_scores(
+            a["q"], a["kmin"], a["kmax"], a["page_table"], a["lengths"], page_size=PS, backend=backend,
+            interpret=False),
+    }
+
+
+def lower_text(fn, args, platform):
+    return jax.jit(fn).trace(args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode", "quest_page_scores"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_kernels_lower_to_triton(kernel, dtype):
+    from pallas_kernels._backend import triton_compiler_params
+
+    if triton_compiler_params() is None:
+        pytest.skip("this JAX has no Pallas Triton backend")
+    text = lower_text(kernels("pallas_gpu")[kernel], abstract_args(dtype, per_kv_head=False), "cuda")
+    assert "triton" in text
+
+
+@pytest.fixture
+def simulated_tpu():
+    """An abstract mesh whose device is a TPU v5e, so the Mosaic lowering knows its target."""
+    try:
+        from jax._src.mesh import AbstractDevice
+
+        device = AbstractDevice(device_kind="TPU v5e", num_cores=1, platform="tpu")
+        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+        context = jax.sharding.use_abstract_mesh(mesh)
+    except (ImportError, TypeError, AttributeError) as error:  # private API moved in another JAX
+        pytest.skip(f"cannot simulate a TPU device for lowering here: {error}")
+    with context:
+        yield
+
+
+@pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode", "quest_page_scores"])
+@pytest.mark.parametrize("dtype, per_kv_head", [(jnp.float32, False), (jnp.bfloat16, True)])
+def test_tpu_kernels_lower_to_mosaic(simulated_tpu, kernel, dtype, per_kv_head):
+    text = lower_text(kernels("pallas_tpu")[kernel], abstract_args(dtype, per_kv_head), "tpu")
+    assert "tpu_custom_call" in text
