@@ -329,9 +329,12 @@ def prefill(
     policy = _policy_or_full(policy)
     rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
     longest = max(len(r) for r in rows)
-    reserve = max_new_tokens if capacity is None else 0
-    capacity = _bucketed(longest + max_new_tokens) if capacity is None else capacity
-    return _prefill_rows(model, rows, policy, page_size, capacity, chunk_size, capacity, reserve)
+    if capacity is None:
+        # LongRoPE decides from the declared length, not from the bucketed capacity
+        declared, reserve, capacity = longest + max_new_tokens, max_new_tokens, _bucketed(longest + max_new_tokens)
+    else:
+        declared, reserve = capacity, 0
+    return _prefill_rows(model, rows, policy, page_size, capacity, chunk_size, declared, reserve)
 
 
 def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None = None) -> tuple[jax.Array, KVState]:

@@ -46,3 +46,17 @@ def test_phi3_cached_generation_uses_the_prefill_decision(hf_models):
     for t in range(20, 40):
         logits, state = kvjax.decode_step(model, state, tokens[:, t])
         np.testing.assert_allclose(np.asarray(logits), ref[:, t], atol=TOL, rtol=0)
+
+
+def test_phi3_short_generation_keeps_short_factors(hf_models):
+    """prompt + max_new_tokens within the original context: short factors, whatever the cache's capacity."""
+    hf, path = hf_models("phi3_longrope")
+    model = kvjax.load_model(path)
+    tokens = random_tokens(4, (1, 24))
+    state, last = kvjax.prefill(model, tokens[:, :12], max_new_tokens=12)
+    assert not state.long_rope and state.capacity > 32
+    ref = hf_logits(hf, tokens)
+    np.testing.assert_allclose(np.asarray(last), ref[:, 11], atol=TOL, rtol=0)
+    for t in range(12, 24):
+        logits, state = kvjax.decode_step(model, state, tokens[:, t])
+        np.testing.assert_allclose(np.asarray(logits), ref[:, t], atol=TOL, rtol=0)
