@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 
 from kvjax.serving.hashing import ROOT_HASH, chain_hashes
 from kvjax.serving.layout import PoolLayout
-from kvjax.serving.page_pool import CACHED, FREE, LIVE, Journal, TwoLevelPagePool
+from kvjax.serving.page_pool import CACHED, FREE, HELD_BY_RUNNING, LIVE, Journal, TwoLevelPagePool
 from kvjax.serving.prefix_cache import PrefixCache, PrefixHit
 from kvjax.serving.specs import BudgetedSpec, GroupSpec, validate_group_specs
 
@@ -78,6 +78,7 @@ class GroupStats:
     held_large_pages: int
     live_pages: int
     cached_pages: int
+    kept_pages: int  # live pages held only for reuse (keep_shared_prefix_window), wholly out of the window
     free_pages_in_held_large: int
     needed_bytes: float
     slack_bytes: int
@@ -91,6 +92,10 @@ class GroupStats:
         return self.cached_pages * self.page_bytes
 
     @property
+    def kept_bytes(self) -> int:
+        return self.kept_pages * self.page_bytes
+
+    @property
     def free_small_bytes(self) -> int:
         return self.free_pages_in_held_large * self.page_bytes
 
@@ -100,9 +105,10 @@ class PoolStats:
     """A snapshot of pool usage.
 
     held = live + cached + free small pages inside held large pages + tail slack of held large pages.
-    waste = held - cached - needed: unfilled slots and tokens no layer needs inside live pages
+    waste = held - needed - reusable: unfilled slots and tokens no layer needs inside live pages
     (`internal_bytes`), plus free small pages and slack inside held large pages (`external_bytes`).
-    Cached (evictable) pages hold reusable prefixes and count as neither.
+    Reusable bytes (cached evictable pages, and live pages kept only for a shared prefix's last window)
+    hold prefixes for reuse and count as neither needed nor waste.
     """
 
     pool_bytes: int
@@ -124,12 +130,20 @@ class PoolStats:
         return sum(g.cached_bytes for g in self.groups)
 
     @property
+    def kept_bytes(self) -> int:
+        return sum(g.kept_bytes for g in self.groups)
+
+    @property
+    def reusable_bytes(self) -> int:
+        return self.cached_bytes + self.kept_bytes
+
+    @property
     def needed_bytes(self) -> float:
         return sum(g.needed_bytes for g in self.groups)
 
     @property
     def internal_bytes(self) -> float:
-        return self.live_bytes - self.needed_bytes
+        return self.live_bytes - self.kept_bytes - self.needed_bytes
 
     @property
     def external_bytes(self) -> int:
@@ -137,7 +151,7 @@ class PoolStats:
 
     @property
     def waste_bytes(self) -> float:
-        return self.held_bytes - self.cached_bytes - self.needed_bytes
+        return self.held_bytes - self.reusable_bytes - self.needed_bytes
 
     @property
     def waste_fraction(self) -> float:
@@ -154,9 +168,13 @@ class _Request:
     num_scheduled: int  # computed plus reserved for the step in flight
     tables: list[list[int]]  # per group; -1 for blocks released or skipped (sliding windows)
     first_live: list[int]  # per group: index of the first table entry that is not -1
+    next_release: list[int]  # per positional group: blocks before this were considered for early release
+    num_dead: list[int]  # per group: -1 entries in the table
+    keep_blocks: list[range]  # per group: blocks kept (not released early) for reuse at the shared prefix
     num_registered: list[int]  # per positional group: blocks already offered to the prefix cache
     kept: list[int]  # per budgeted group: slots kept after the last commit
     large_hint: list[int]  # per group: the large page the request last took a small page from
+    released_early: list[tuple[int, int, bytes]] = field(default_factory=list)  # (group, page, hash)
 
 
 class JengaAllocator:
@@ -172,6 +190,14 @@ class JengaAllocator:
             fresh one. True (the Jenga paper's request-aware order): a fresh large page first, so a
             finished request's small pages tend to free whole large pages. eval/bench_serving.py
             measures both (docs/jenga.md).
+        align_early_released: sliding-window pages released early (out of the window) are evictable at
+            once, but rank after every page of a finished request until their own request finishes,
+            when they take its release time like its other pages (the pages of one prefix are evicted
+            together). False: they rank by the time they left the window, so they go first.
+        keep_shared_prefix_window: a request whose prompt starts with a cached prefix (full-attention
+            blocks matched by get_computed_prefix, hit or not) keeps the sliding-window blocks of the
+            last window of that prefix until it finishes instead of releasing them early: the blocks
+            the next request with the same prefix needs to hit it, shared by all requests that hit it.
     """
 
     def __init__(
@@ -183,11 +209,15 @@ class JengaAllocator:
         max_large_page_ratio: int = 8,
         enable_prefix_caching: bool = True,
         fresh_large_page_first: bool = False,
+        align_early_released: bool = True,
+        keep_shared_prefix_window: bool = True,
     ) -> None:
         self.specs = validate_group_specs(specs)
         self.layout = PoolLayout.from_pool_bytes(self.specs, pool_bytes, large_page_bytes, max_large_page_ratio)
         self.enable_prefix_caching = enable_prefix_caching
         self.fresh_large_page_first = fresh_large_page_first
+        self.align_early_released = align_early_released
+        self.keep_shared_prefix_window = keep_shared_prefix_window
         self._journal = Journal()
         self._pool = TwoLevelPagePool(self.layout, self._journal)
         self._cache = PrefixCache(self.specs, self._pool, self._journal)
@@ -204,12 +234,13 @@ class JengaAllocator:
         token_ids = list(token_ids)
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return PrefixHit(0, {s.name: () for s in self.specs}, (), ())
-        length, hashes, pages = self._cache.find_hit(token_ids)
+        length, hashes, pages, shared = self._cache.find_hit(token_ids)
         return PrefixHit(
             num_tokens=length,
             pages={spec.name: tuple(p) for spec, p in zip(self.specs, pages)},
             token_ids=tuple(token_ids[:length]),
             block_hashes=tuple(hashes[: length // self._cache.base_tokens]),
+            shared_prefix_tokens=shared,
         )
 
     # =================================================================================================
@@ -234,6 +265,8 @@ class JengaAllocator:
         return self._allocate(request_id, new_token_ids, len(new_token_ids), prefix_hit, dry_run=False)
 
     def _allocate(self, request_id, new_token_ids, num_new, prefix_hit, dry_run):
+        """allocate / can_allocate: validate, size, then take pages inside a journal transaction that a
+        failure (or a dry run) rolls back."""
         if not isinstance(num_new, int) or num_new <= 0:
             raise ValueError(f"request {request_id!r}: need at least one new token, got {num_new!r}")
         request = self._requests.get(request_id)
@@ -263,7 +296,8 @@ class JengaAllocator:
         try:
             self._pool.clock += 1
             if request is None:
-                request = self._create_request(request_id, hit)
+                shared = prefix_hit.shared_prefix_tokens if prefix_hit is not None else 0
+                request = self._create_request(request_id, hit, shared)
             pinned = self._pin_snapshot_sources(hit)
             pages = self._take_pages(request, counts)
             if pages is None:
@@ -315,13 +349,13 @@ class JengaAllocator:
         for group, spec in enumerate(self.specs):
             tpp = spec.tokens_per_page
             if request is not None:
-                table_len, first_live = len(request.tables[group]), request.first_live[group]
+                table_len, dead = len(request.tables[group]), request.num_dead[group]
             elif hit is not None:
                 hit_pages = hit.pages[spec.name]
                 table_len = 0 if not spec.is_positional else len(hit_pages)
-                first_live = 0 if not spec.is_positional else sum(1 for p in hit_pages if p < 0)
+                dead = 0 if not spec.is_positional else sum(1 for p in hit_pages if p < 0)
             else:
-                table_len = first_live = 0
+                table_len = dead = 0
             if spec.is_positional:
                 start = request.num_scheduled if request is not None else (hit.num_tokens if hit else 0)
                 needed_len = -(-(start + num_new) // tpp)
@@ -329,7 +363,7 @@ class JengaAllocator:
                 kept = request.kept[group] if request is not None else self._hit_kept_slots(group, hit)
                 needed_len = -(-(kept + num_new) // tpp)
             counts.append(max(0, needed_len - table_len))
-            live_after.append(max(needed_len, table_len) - first_live)
+            live_after.append(max(needed_len, table_len) - dead)
         return counts, live_after
 
     def _hit_kept_slots(self, group: int, hit: PrefixHit | None) -> int:
@@ -352,7 +386,7 @@ class JengaAllocator:
             f"({self.layout.pool_bytes} bytes) [{per_group}]"
         )
 
-    def _create_request(self, request_id: str, hit: PrefixHit | None) -> _Request:
+    def _create_request(self, request_id: str, hit: PrefixHit | None, shared_prefix_tokens: int = 0) -> _Request:
         num_groups = len(self.specs)
         request = _Request(
             request_id=request_id,
@@ -362,12 +396,21 @@ class JengaAllocator:
             num_scheduled=hit.num_tokens if hit else 0,
             tables=[[] for _ in range(num_groups)],
             first_live=[0] * num_groups,
+            next_release=[0] * num_groups,
+            num_dead=[0] * num_groups,
+            keep_blocks=[range(0) for _ in range(num_groups)],
             num_registered=[0] * num_groups,
             kept=[0] * num_groups,
             large_hint=[-1] * num_groups,
         )
         self._requests[request_id] = request
         self._journal.record(lambda: self._requests.pop(request_id))
+        if shared_prefix_tokens and self.keep_shared_prefix_window and self.enable_prefix_caching:
+            for group, spec in enumerate(self.specs):
+                if spec.is_positional and not spec.requires_full_prefix:
+                    tpp = spec.tokens_per_page
+                    end_block = shared_prefix_tokens // tpp
+                    request.keep_blocks[group] = range(spec.first_needed_token(end_block * tpp) // tpp, end_block)
         if hit is not None:
             for group, spec in enumerate(self.specs):
                 if spec.is_positional:
@@ -376,7 +419,9 @@ class JengaAllocator:
                         if page >= 0:
                             self._pool.incref(group, page)
                     request.tables[group] = pages
-                    request.first_live[group] = sum(1 for p in pages if p < 0)
+                    request.first_live[group] = request.next_release[group] = request.num_dead[group] = sum(
+                        1 for p in pages if p < 0
+                    )
                     request.num_registered[group] = hit.num_tokens // spec.tokens_per_page
                 else:
                     request.kept[group] = self._hit_kept_slots(group, hit)
@@ -414,9 +459,9 @@ class JengaAllocator:
         Order for each page (request-aware): a free slot in the large page the request last used for this
         group; a free slot in another large page of the group, then a fresh large page (swapped when
         fresh_large_page_first); evicting the group's least recently used cached entry; reclaiming a
-        large page of another group that holds only cached pages. Groups whose free slots and evictable pages cannot cover their need
-        get their fresh large pages first, so that a group that could evict does not take the last free
-        large page from one that cannot.
+        large page of another group that holds only cached pages. Groups whose free slots and evictable
+        pages cannot cover their need reserve fresh large pages first, so that a group that could evict
+        does not take the last free large page from one that cannot.
         """
         pool = self._pool
         hints = request.large_hint if hints is None else hints
@@ -429,7 +474,7 @@ class JengaAllocator:
                 large = pool.take_free_large(group)
                 if large is None:
                     # Not the group's own pages: their cached slots are already counted as capacity.
-                    if self._reclaim_large_page(remaining, exclude_group=group) is None:
+                    if not self._reclaim_large_page(remaining, exclude_group=group):
                         return None
                     large = pool.take_free_large(group)
                 reserved[group].append(large)
@@ -438,6 +483,9 @@ class JengaAllocator:
             while remaining[group] > 0:
                 large = hints[group]
                 if large < 0 or pool.large_group[large] != group or not pool.has_free_slot(large):
+                    # A reserved page may already be in use: a stale hint can point at it.
+                    while reserved[group] and not pool.has_free_slot(reserved[group][0]):
+                        reserved[group].pop(0)
                     if reserved[group]:
                         large = reserved[group].pop(0)
                     elif self.fresh_large_page_first:
@@ -449,11 +497,18 @@ class JengaAllocator:
                         if large is None:
                             large = pool.take_free_large(group)
                     if large is None:
+                        # Evict the least recently used entry across groups: the group's own oldest
+                        # page, or (when older) another group's, reclaiming its large page.
                         victim = pool.oldest_evictable(group)
-                        if victim is not None:
-                            self._cache.evict(group, victim)
-                        elif self._reclaim_large_page(remaining) is None:
+                        own_key = None if victim is None else pool.lru_key(group, victim)
+                        other_key = self._oldest_key_elsewhere(group)
+                        if other_key is not None and (own_key is None or other_key < own_key):
+                            if self._reclaim_large_page(remaining, exclude_group=group):
+                                continue
+                            victim = pool.oldest_evictable(group)  # the attempt may have cascaded here
+                        if victim is None:
                             return None
+                        self._cache.evict(group, victim)
                         continue
                     self._set_hint(hints, group, large)
                 taken[group].append(pool.take_slot(group, large))
@@ -462,13 +517,49 @@ class JengaAllocator:
                 pool.release_large_if_empty(large)
         return taken
 
-    def _reclaim_large_page(self, remaining: list[int], exclude_group: int = -1) -> int | None:
-        """Evicts every cached entry in one large page that holds no live page, freeing it. Prefers pages
-        of groups that need nothing more in this allocation; returns the freed large page or None."""
+    def _oldest_key_elsewhere(self, group: int):
+        """Eviction key of the oldest evictable page outside `group`, or None."""
         pool = self._pool
+        keys = [
+            pool.lru_key(other, pool.oldest_evictable(other))
+            for other in range(len(self.specs))
+            if other != group and pool.num_evictable[other]
+        ]
+        return min(keys) if keys else None
+
+    def _reclaim_large_page(self, remaining: list[int], exclude_group: int = -1) -> bool:
+        """Frees a large page held only by cached pages of other groups; False if none can be freed.
+
+        Evicts, across the other groups, the least recently used cached entry (preferring groups that
+        need nothing more in this allocation) until a large page comes free: with one small page per
+        large page that is one eviction, and pages a request released together sit together. After
+        2 * pages_per_large evictions in a group without success it falls back to evicting a whole
+        large page that holds no live page (a scan of the pool).
+        """
+        pool = self._pool
+        free_before = pool.num_free_large()
+        tries = [2 * per for per in self._per_large]
+        while True:
+            best = None
+            for group in range(len(self.specs)):
+                if group == exclude_group or tries[group] <= 0 or pool.num_evictable[group] == 0:
+                    continue
+                page = pool.oldest_evictable(group)
+                key = (remaining[group] > 0, pool.lru_key(group, page), group)
+                if best is None or key < best[0]:
+                    best = (key, group, page)
+            if best is None:
+                break
+            _, group, page = best
+            self._cache.evict(group, page)
+            tries[group] -= 1
+            if pool.num_free_large() > free_before:
+                return True
+        if not any(n for group, n in enumerate(pool.num_evictable) if group != exclude_group):
+            return False  # nothing cached outside the excluded group: skip the scan
         candidates = [large for large in pool.reclaimable_large_pages() if pool.large_group[large] != exclude_group]
         if not candidates:
-            return None
+            return False
         candidates.sort(key=lambda large: remaining[pool.large_group[large]] > 0)  # stable: keeps LRU order
         large = candidates[0]
         group = pool.large_group[large]
@@ -476,9 +567,7 @@ class JengaAllocator:
         for page in range(first, first + self._per_large[group]):
             if pool.cached[group][page] and pool.refcount[group][page] == 0:
                 self._cache.evict(group, page)
-        if pool.large_group[large] != -1:  # pragma: no cover - guarded by reclaimable_large_pages
-            raise AssertionError(f"large page {large} still typed after reclaiming it")
-        return large
+        return True
 
     # =================================================================================================
     # Commit and free
@@ -500,6 +589,16 @@ class JengaAllocator:
         unknown = set(kept_slots) - {s.name for s in self.specs if not s.is_positional}
         if unknown:
             raise ValueError(f"kept_slots names groups that are not budgeted: {sorted(unknown)}")
+        kept_after = {}
+        for group, spec in enumerate(self.specs):  # validate everything before changing anything
+            if not spec.is_positional:
+                held = request.kept[group] + num_new
+                kept = kept_slots.get(spec.name, min(held, spec.budget))
+                if not isinstance(kept, int) or not 0 <= kept <= held:
+                    raise ValueError(
+                        f"request {request_id!r}: kept_slots[{spec.name!r}] must be an int in 0..{held}, got {kept!r}"
+                    )
+                kept_after[group] = kept
         self._pool.clock += 1
         request.num_computed = request.num_scheduled
         num_tokens = request.num_computed
@@ -510,13 +609,7 @@ class JengaAllocator:
             if spec.is_positional:
                 self._commit_positional(request, group, spec, num_tokens)
             else:
-                held = request.kept[group] + num_new
-                kept = kept_slots.get(spec.name, min(held, spec.budget))
-                if not 0 <= kept <= held:
-                    raise ValueError(
-                        f"request {request_id!r}: kept_slots[{spec.name!r}] must be in 0..{held}, got {kept}"
-                    )
-                self._shrink_budgeted(request, group, spec, kept)
+                self._shrink_budgeted(request, group, spec, kept_after[group])
                 copies += self._snapshot(request, group, spec, num_tokens)
         return CommitResult(tuple(copies))
 
@@ -542,12 +635,23 @@ class JengaAllocator:
                     self._cache.register(group, (page,), self._cache.hash_at(request.block_hashes, end), end)
             request.num_registered[group] = max(request.num_registered[group], full_blocks)
         first_needed_block = spec.first_needed_token(num_tokens) // tpp
-        # Release deepest first; eviction order ties on time are broken by depth anyway.
-        for block in range(first_needed_block - 1, request.first_live[group] - 1, -1):
-            if table[block] >= 0:
-                self._pool.decref(group, table[block])
+        align = self.align_early_released and self.enable_prefix_caching
+        release_time = HELD_BY_RUNNING + self._pool.clock if align else None
+        keep = request.keep_blocks[group]
+        for block in range(first_needed_block - 1, request.next_release[group] - 1, -1):
+            page = table[block]
+            if page >= 0 and block not in keep:
+                block_hash = self._cache.hash_of_page[group].get(page)
+                self._pool.decref(group, page, release_time)
+                if align and block_hash is not None:
+                    request.released_early.append((group, page, block_hash))
                 table[block] = -1
-        request.first_live[group] = max(request.first_live[group], first_needed_block)
+                request.num_dead[group] += 1
+        request.next_release[group] = max(request.next_release[group], first_needed_block)
+        first_live = request.first_live[group]
+        while first_live < len(table) and table[first_live] < 0:
+            first_live += 1
+        request.first_live[group] = first_live
 
     def _shrink_budgeted(self, request: _Request, group: int, spec: GroupSpec, kept: int) -> None:
         table = request.tables[group]
@@ -596,11 +700,21 @@ class JengaAllocator:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
-        self._pool.clock += 1
+        pool = self._pool
+        pool.clock += 1
         for group, table in enumerate(request.tables):
             for page in reversed(table):
                 if page >= 0:
-                    self._pool.decref(group, page)
+                    pool.decref(group, page)
+        for group, page, block_hash in request.released_early:
+            # Still the same evictable cache entry (not evicted and reused, not held by another
+            # request): it now ages with the rest of the request's prefix.
+            if (
+                pool.refcount[group][page] == 0
+                and self._cache.hash_of_page[group].get(page) == block_hash
+                and pool.last_release[group][page] >= HELD_BY_RUNNING
+            ):
+                pool.retime(group, page, pool.clock)
 
     # =================================================================================================
     # Introspection
@@ -643,6 +757,10 @@ class JengaAllocator:
         """Evictable pages of `group`, in the order they would be evicted."""
         return self._pool.evictable_in_order(self.layout.group_index(group))
 
+    def cached_pages(self, group: str, block_hash: bytes) -> tuple[int, ...] | None:
+        """Pages `group` caches for the prefix named by `block_hash` (see hashing.chain_hashes), or None."""
+        return self._cache.lookup(self.layout.group_index(group), block_hash)
+
     def uncache(self, group: str, block_hash: bytes) -> bool:
         """Removes `group`'s cache entry for the prefix named by `block_hash` (no cascade). Evictable pages
         become free; pages in use stay with their requests. False if there was no entry."""
@@ -666,6 +784,8 @@ class JengaAllocator:
         """Bytes held, needed, cached and wasted, per group. Walks every live page: O(live pages)."""
         pool = self._pool
         needed = [0.0] * len(self.specs)
+        kept_pages: list[set[int]] = [set() for _ in self.specs]  # live only to serve a shared prefix
+        window_pages: list[set[int]] = [set() for _ in self.specs]  # ... unless another request reads them
         # A shared page is a full block of a common prefix; its needed bytes never grow with the owner's
         # length, so it counts once, for the owner with the fewest tokens: page -> (block, tokens).
         neediest: list[dict[int, tuple[int, int]]] = [{} for _ in self.specs]
@@ -679,6 +799,12 @@ class JengaAllocator:
                     continue
                 first = request.first_live[group]
                 needed[group] += spec.needed_bytes_in_range(first, len(table), num_tokens)
+                if not spec.requires_full_prefix:  # sliding: pages kept for reuse vs pages in a window
+                    out_of_window = min(spec.first_needed_token(num_tokens) // spec.tokens_per_page, len(table))
+                    for block in request.keep_blocks[group]:
+                        if block < out_of_window and table[block] >= 0:
+                            kept_pages[group].add(table[block])
+                    window_pages[group].update(table[out_of_window:])
                 refs, owners, run_start = pool.refcount[group], neediest[group], None
                 for block in range(first, len(table) + 1):
                     page = table[block] if block < len(table) else -1
@@ -689,6 +815,8 @@ class JengaAllocator:
                     elif run_start is not None:  # take shared runs out; added back once per page below
                         needed[group] -= spec.needed_bytes_in_range(run_start, block, num_tokens)
                         run_start = None
+        for group, pages in enumerate(window_pages):
+            kept_pages[group] -= pages  # a kept page inside another request's window is needed there
         for group, owners in enumerate(neediest):
             spec = self.specs[group]
             needed[group] += sum(spec.needed_bytes_in_block(block, tokens) for block, tokens in owners.values())
@@ -709,6 +837,7 @@ class JengaAllocator:
                 held_large_pages=held_large[g],
                 live_pages=live[g],
                 cached_pages=pool.num_evictable[g],
+                kept_pages=len(kept_pages[g]),
                 free_pages_in_held_large=free_small[g],
                 needed_bytes=needed[g],
                 slack_bytes=held_large[g] * self.layout.tail_slack_bytes(g),

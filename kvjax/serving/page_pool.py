@@ -15,6 +15,10 @@ from kvjax.serving.layout import PoolLayout
 
 FREE, LIVE, CACHED = "free", "live", "cached"
 
+# Release times at or above this rank after every ordinary release: pages a running request released
+# early (sliding-window blocks out of the window), evictable but kept while finished requests' pages go.
+HELD_BY_RUNNING = 1 << 62
+
 
 class Journal:
     """Undo log: while open, every recorded closure is run in reverse order by `rollback`."""
@@ -111,6 +115,10 @@ class TwoLevelPagePool:
                 return page
             heapq.heappop(heap)
         return None
+
+    def lru_key(self, group: int, page: int) -> tuple[int, int, int]:
+        """Eviction order key of a cached page: oldest release first, then the deeper prefix."""
+        return (self.last_release[group][page], -self.page_end[group][page], page)
 
     def evictable_in_order(self, group: int) -> list[int]:
         """All evictable pages of `group`, first to be evicted first."""
@@ -243,8 +251,10 @@ class TwoLevelPagePool:
         if was_cached:
             self._enter_lru(group, page, large)
 
-    def decref(self, group: int, page: int) -> None:
-        """Drops a reference; at zero the page becomes CACHED (if registered) or FREE."""
+    def decref(self, group: int, page: int, release_time: int | None = None) -> None:
+        """Drops a reference; at zero the page becomes CACHED (if registered) or FREE.
+
+        A cached page's eviction order uses `release_time` (default: the clock)."""
         refs = self.refcount[group]
         if refs[page] <= 0:
             raise ValueError(f"page {page} of group {group} has no reference to drop")
@@ -255,7 +265,7 @@ class TwoLevelPagePool:
         large = self.large_of(group, page)
         if self.cached[group][page]:
             previous_release = self.last_release[group][page]
-            self.last_release[group][page] = self.clock
+            self.last_release[group][page] = self.clock if release_time is None else release_time
             self._enter_lru(group, page, large)
 
             def undo_cached() -> None:
@@ -273,6 +283,15 @@ class TwoLevelPagePool:
 
             self.journal.record(undo_live)
             self._free_slot(group, page)
+
+    def retime(self, group: int, page: int, release_time: int) -> None:
+        """Moves an evictable page to `release_time` in the eviction order (not journaled)."""
+        if self.refcount[group][page] != 0 or not self.cached[group][page]:
+            raise ValueError(f"page {page} of group {group} is not evictable")
+        self.last_release[group][page] = release_time
+        self.lru_version[group][page] += 1
+        key = (release_time, -self.page_end[group][page], page, self.lru_version[group][page])
+        heapq.heappush(self.lru[group], key)
 
     def _enter_lru(self, group: int, page: int, large: int) -> None:
         """LIVE -> evictable bookkeeping (refcount already 0)."""

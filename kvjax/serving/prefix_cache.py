@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 from kvjax.serving.hashing import chain_hashes
 from kvjax.serving.page_pool import Journal, TwoLevelPagePool
-from kvjax.serving.specs import GroupSpec, hash_block_tokens, hit_alignment
+from kvjax.serving.specs import GroupSpec, base_hash_block_tokens, hit_alignment
 
 
 def longest_common_hit(
@@ -47,12 +47,15 @@ class PrefixHit:
         the group no longer needs (a sliding window's blocks before its last window). For a budgeted
         group: the snapshot's pages, which the allocator copies into fresh pages of the request.
     token_ids, block_hashes: the prefix's tokens and its base-block chain hashes (internal use).
+    shared_prefix_tokens: how far the full-attention groups alone match the cache (>= num_tokens): where
+        this prompt leaves a known shared prefix, even when other groups' blocks there are gone.
     """
 
     num_tokens: int
     pages: dict[str, tuple[int, ...]]
     token_ids: tuple[int, ...] = field(repr=False)
     block_hashes: tuple[bytes, ...] = field(repr=False)
+    shared_prefix_tokens: int = 0
 
 
 class PrefixCache:
@@ -67,7 +70,7 @@ class PrefixCache:
         self.specs = tuple(specs)
         self.pool = pool
         self.journal = journal
-        self.base_tokens = hash_block_tokens(self.specs)
+        self.base_tokens = base_hash_block_tokens(self.specs)
         self.alignment = hit_alignment(self.specs)
         self.page_of_hash: list[dict[bytes, tuple[int, ...]]] = [{} for _ in self.specs]
         self.hash_of_page: list[dict[int, bytes]] = [{} for _ in self.specs]
@@ -141,10 +144,10 @@ class PrefixCache:
                 self.unregister(other, block_hash)
 
     # --- hits -----------------------------------------------------------------------------------------
-    def find_hit(self, token_ids: Sequence[int], max_tokens: int | None = None) -> tuple[int, list[bytes], list[list[int]]]:
-        """(hit length, base-block hashes of token_ids, per-group page lists) for the longest reusable
-        prefix of `token_ids`, at most `max_tokens` (default len(token_ids) - 1: the last token is always
-        computed so the step yields logits)."""
+    def find_hit(self, token_ids: Sequence[int], max_tokens: int | None = None):
+        """(hit length, base-block hashes of token_ids, per-group page lists, full-attention match length)
+        for the longest reusable prefix of `token_ids`, at most `max_tokens` (default len(token_ids) - 1:
+        the last token is always computed so the step yields logits)."""
         hashes = self.block_hashes(token_ids)
         limit = len(token_ids) - 1 if max_tokens is None else min(max_tokens, len(token_ids))
         limit = min(limit, len(hashes) * self.base_tokens)
@@ -160,9 +163,16 @@ class PrefixCache:
 
             return is_cached
 
-        length = longest_common_hit(self.specs, max(limit, 0), [cached_fn(g) for g in range(len(self.specs))], self.alignment)
+        lookups = [cached_fn(g) for g in range(len(self.specs))]
+        length = longest_common_hit(self.specs, max(limit, 0), lookups, self.alignment)
         pages = [self._hit_pages(g, hashes, length) for g in range(len(self.specs))]
-        return length, hashes, pages
+        shared = max(limit, 0)
+        for group, spec in enumerate(self.specs):
+            if spec.is_positional and spec.requires_full_prefix:
+                shared = min(shared, spec.largest_hit(shared, lookups[group]))
+        return length, hashes, pages, max(shared, length) if any(
+            s.is_positional and s.requires_full_prefix for s in self.specs
+        ) else length
 
     def _hit_pages(self, group: int, hashes: Sequence[bytes], length: int) -> list[int]:
         spec = self.specs[group]

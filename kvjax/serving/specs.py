@@ -314,7 +314,7 @@ def hit_alignment(specs: tuple[GroupSpec, ...] | list[GroupSpec]) -> int:
     return math.lcm(*(s.tokens_per_page for s in specs))
 
 
-def hash_block_tokens(specs: tuple[GroupSpec, ...] | list[GroupSpec]) -> int:
+def base_hash_block_tokens(specs: tuple[GroupSpec, ...] | list[GroupSpec]) -> int:
     """Token count of the base hash block: the GCD of the page lengths, so every group's page ends on a
     base-block boundary and can be keyed by the chained hash there."""
     return math.gcd(*(s.tokens_per_page for s in specs))
