@@ -21,6 +21,36 @@ def _finish(q, out, row_max, row_sum, return_stats):
     return (out, row_max, row_sum) if return_stats else out
 
 
+def _attend_read_list(
+    backend, q, k_pages, v_pages, physical, counts, *, sm_scale, interpret, pages_per_block, num_splits, formulation
+):
+    """Attention over a read list (physical pages and valid slots per entry) on the XLA or Pallas GPU path."""
+    if backend == "xla":
+        return attend_read_list_xla(
+            q,
+            k_pages,
+            v_pages,
+            physical,
+            counts,
+            sm_scale=sm_scale,
+            pages_per_block=pages_per_block,
+            **({"formulation": formulation} if formulation else {}),
+        )
+    from pallas_kernels.decode_gpu import decode_gpu
+
+    return decode_gpu(
+        q,
+        k_pages,
+        v_pages,
+        physical,
+        counts,
+        sm_scale=sm_scale,
+        interpret=resolve_interpret(backend, interpret),
+        pages_per_block=pages_per_block,
+        num_splits=num_splits,
+    )
+
+
 def sparse_paged_decode(
     q,  # [B, Hq, D]
     k_pages,  # [N, ps, D]
@@ -66,20 +96,7 @@ def sparse_paged_decode(
     )
     sm_scale = resolve_sm_scale(sm_scale, dims.head_dim)
     selected = _pages.normalize_selection(selected, lengths, dims.page_size)
-    if backend == "xla":
-        logical, counts = _pages.sparse_read_list(selected, lengths, dims.page_size)
-        physical = _pages.physical_pages(page_table, logical, dims.num_pages)
-        out, row_max, row_sum = attend_read_list_xla(
-            q,
-            k_pages,
-            v_pages,
-            physical,
-            counts,
-            sm_scale=sm_scale,
-            pages_per_block=pages_per_block,
-            **({"formulation": formulation} if formulation else {}),
-        )
-    elif backend == "pallas_tpu":
+    if backend == "pallas_tpu":
         from pallas_kernels.decode_tpu import decode_tpu
 
         out, row_max, row_sum = decode_tpu(
@@ -95,20 +112,11 @@ def sparse_paged_decode(
             num_splits=num_splits,
         )
     else:
-        from pallas_kernels.decode_gpu import decode_gpu
-
         logical, counts = _pages.sparse_read_list(selected, lengths, dims.page_size)
         physical = _pages.physical_pages(page_table, logical, dims.num_pages)
-        out, row_max, row_sum = decode_gpu(
-            q,
-            k_pages,
-            v_pages,
-            physical,
-            counts,
-            sm_scale=sm_scale,
-            interpret=resolve_interpret(backend, interpret),
-            pages_per_block=pages_per_block,
-            num_splits=num_splits,
+        out, row_max, row_sum = _attend_read_list(
+            backend, q, k_pages, v_pages, physical, counts, sm_scale=sm_scale, interpret=interpret,
+            pages_per_block=pages_per_block, num_splits=num_splits, formulation=formulation,
         )
     return _finish(q, out, row_max, row_sum, return_stats)
 
@@ -157,29 +165,8 @@ def paged_decode(
         return _finish(q, out, row_max, row_sum, return_stats)
     logical, counts = _pages.dense_read_list(lengths, dims.max_pages, dims.page_size)
     physical = _pages.physical_pages(page_table, logical, dims.num_pages)
-    if backend == "xla":
-        out, row_max, row_sum = attend_read_list_xla(
-            q,
-            k_pages,
-            v_pages,
-            physical,
-            counts,
-            sm_scale=sm_scale,
-            pages_per_block=pages_per_block,
-            **({"formulation": formulation} if formulation else {}),
-        )
-    else:
-        from pallas_kernels.decode_gpu import decode_gpu
-
-        out, row_max, row_sum = decode_gpu(
-            q,
-            k_pages,
-            v_pages,
-            physical,
-            counts,
-            sm_scale=sm_scale,
-            interpret=resolve_interpret(backend, interpret),
-            pages_per_block=pages_per_block,
-            num_splits=num_splits,
-        )
+    out, row_max, row_sum = _attend_read_list(
+        backend, q, k_pages, v_pages, physical, counts, sm_scale=sm_scale, interpret=interpret,
+        pages_per_block=pages_per_block, num_splits=num_splits, formulation=formulation,
+    )
     return _finish(q, out, row_max, row_sum, return_stats)
