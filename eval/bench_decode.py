@@ -174,7 +174,6 @@ def main(argv=None):
     from kvjax.models.convert import params_from_hf
 
     torch.manual_seed(0)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     hf_config = llama_1b_config(args.layers, args.vocab)
     hf = LlamaForCausalLM(hf_config).eval()
     cfg = kvjax.ModelConfig.from_hf_dict(hf_config.to_dict())

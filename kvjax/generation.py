@@ -68,16 +68,12 @@ def _layer_view(state: KVState, layer: int, num_layers: int, next_position, **ex
     )
 
 
-def _update_window(window_q, window_pos, q, positions, num_new):
-    """Keep each row's last w real queries: `window_q [B, w, Hq, D]`, chunk `q [B, C, Hq, D]`."""
-    w = window_q.shape[1]
-    rows = num_new[:, None] + jnp.arange(w)[None, :]  # [B, w] rows of concat(window, chunk)
-    q_all = jnp.concatenate([window_q, q.astype(window_q.dtype)], axis=1)
-    pos_all = jnp.concatenate([window_pos, positions], axis=1)
-    return (
-        jnp.take_along_axis(q_all, rows[:, :, None, None], axis=1),
-        jnp.take_along_axis(pos_all, rows, axis=1),
-    )
+def _keep_last(window, chunk, num_new):
+    """Each row's last w real entries of concat(window, chunk): `window [B, w, ...]`, `chunk [B, C, ...]`."""
+    w = window.shape[1]
+    rows = num_new[:, None] + jnp.arange(w)[None, :]  # [B, w] rows of the concatenation
+    rows = rows.reshape(rows.shape + (1,) * (window.ndim - 2))
+    return jnp.take_along_axis(jnp.concatenate([window, chunk.astype(window.dtype)], axis=1), rows, axis=1)
 
 
 def new_window(cfg: ModelConfig, batch: int, size: int, dtype):
@@ -104,7 +100,6 @@ def _append_step(params, state: KVState, window, tokens, num_new, last_logits, *
     state, ok = allocate_for_append(state, num_new, C)
     num_new = jnp.where(ok, num_new, 0)
     seen = state.next_position + num_new
-    window_pos = None if window is None else window["pos"]
     window_q = []
 
     def attend(layer, inputs, state):
@@ -136,16 +131,14 @@ def _append_step(params, state: KVState, window, tokens, num_new, last_logits, *
                 over = held > policy.decode_budget(0)
                 state = evict_one_slot(state, layer, victim, over, view.k)
         if window is not None:
-            q_w, _ = _update_window(window["q"][layer], window["pos"], inputs.q, inputs.positions, num_new)
-            window_q.append(q_w)
+            window_q.append(_keep_last(window["q"][layer], inputs.q, num_new))
         return out, state
 
     module = CausalLM(cfg, dtype)
     rope = rope_frequencies(cfg, state.long_rope)
     hidden, state = module.apply({"params": params}, tokens, positions, rope, attend, state)
     if window is not None:
-        _, window_pos = _update_window(window["q"][0], window["pos"], jnp.zeros((B, C) + window["q"].shape[3:], window["q"].dtype), positions, num_new)
-        window = {"q": jnp.stack(window_q), "pos": window_pos}
+        window = {"q": jnp.stack(window_q), "pos": _keep_last(window["pos"], positions, num_new)}
     last = jnp.clip(num_new - 1, 0, C - 1)
     last_hidden = hidden[jnp.arange(B), last]  # [B, hidden]
     logits = module.apply({"params": params}, last_hidden, method=CausalLM.logits)

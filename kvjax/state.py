@@ -249,10 +249,6 @@ def add_slot_scores(state: KVState, layer: int, delta: jax.Array) -> KVState:
     return state.replace(slot_score=state.slot_score.at[page, offset].add(delta, mode="drop"))
 
 
-def pages_in_use(state: KVState) -> int:
-    return int(state.num_pages - int(state.num_free))
-
-
 __all__ = [
     "CacheCapacityError",
     "KVState",
@@ -262,5 +258,4 @@ __all__ = [
     "init_state",
     "overflow_error",
     "pages_for",
-    "pages_in_use",
 ]
