@@ -368,6 +368,7 @@ def main(argv=None):
     write_markdown(result, args.out_dir / f"{args.name}.md")
     write_plot(result, args.out_dir / f"{args.name}.png")
     print(f"wrote {args.out_dir}/{args.name}.{{json,md,png}} in {result['wall_s']:.0f} s")
+    return result
 
 
 if __name__ == "__main__":

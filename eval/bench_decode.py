@@ -216,6 +216,7 @@ def main(argv=None):
     paths = write_outputs(args.out, "bench_decode", payload, table + note)
     plot(payload, paths["json"].replace(".json", ".png"))
     print(table + note)
+    return payload
 
 
 if __name__ == "__main__":

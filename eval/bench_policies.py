@@ -156,6 +156,7 @@ def main(argv=None):
     paths = write_outputs(args.out, "bench_policies", payload, table)
     plot(payload, paths["json"].replace(".json", ".png"))
     print(table)
+    return payload
 
 
 if __name__ == "__main__":

@@ -16,18 +16,29 @@ def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
     return q.reshape(B, T, num_kv_heads, Hq // num_kv_heads, D)
 
 
-def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None) -> jax.Array:
-    """q `[B, T, Hq, D]`, k/v `[B, T, H, D]` -> `[B, T, Hq, D]`, causal over T."""
+def dense_causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None, block: int = 256
+) -> jax.Array:
+    """q `[B, T, Hq, D]`, k/v `[B, T, H, D]` -> `[B, T, Hq, D]`, causal over T.
+
+    Queries go in blocks of `block` rows, each against the keys up to its last row only, so the masked
+    upper triangle is mostly never computed (about half the work at long T). Measured on this project's
+    2-core CPU (forward + backward, B=2, T=2048, 4 heads of 32): 0.38 s against 3.4 s for one
+    `[B, H, G, T, T]` einsum over all keys, whose grouped layout XLA's CPU dot also handles poorly.
+    """
     B, T, Hq, D = q.shape
     H = k.shape[2]
     scale = D**-0.5 if scale is None else scale
-    qg = _grouped(q, H)
-    scores = jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32) * scale
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    scores = jnp.where(causal, scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhgts,bshd->bthgd", probs.astype(v.dtype), v)
-    return out.reshape(B, T, Hq, D)
+    k_rep = jnp.repeat(k, Hq // H, axis=2) if Hq != H else k
+    v_rep = jnp.repeat(v, Hq // H, axis=2) if Hq != H else v
+    outs = []
+    for start in range(0, T, block):
+        end = min(start + block, T)
+        scores = jnp.einsum("bthd,bshd->bhts", q[:, start:end], k_rep[:, :end], preferred_element_type=jnp.float32)
+        causal = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
+        probs = jax.nn.softmax(jnp.where(causal, scores * scale, _MASKED), axis=-1)
+        outs.append(jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v_rep[:, :end]))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
 def paged_attention(

@@ -16,18 +16,14 @@ import os
 
 import numpy as np
 
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-WORDS = (
-    "the grass is green . sky blue sun yellow here we go there and back again pass key remember it "
-    "what ? one of special magic numbers for : a an in on at to of no yes answer question context"
-).split()
-DIGITS = [str(d) for d in range(10)]
+from train.synthetic import VOCABULARY
 
 
 def build_tokenizer():
+    """Word-level tokenizer over `train.synthetic.VOCABULARY` (specials first, then the ten digits)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(SPECIALS + DIGITS + WORDS))}
+    vocab = {tok: i for i, tok in enumerate(VOCABULARY)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.normalizer = normalizers.Lowercase()
     # digits split one by one, so any number is representable
@@ -39,24 +35,23 @@ def build_tokenizer():
     return tokenizer
 
 
-def build(out: str, seed: int = 0, hidden: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2) -> str:
-    from safetensors.numpy import save_file
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+def fast_tokenizer():
+    from transformers import PreTrainedTokenizerFast
 
-    import kvjax
-    from kvjax.models.convert import params_to_hf
-
-    os.makedirs(out, exist_ok=True)
-    tokenizer = build_tokenizer()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    return PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(), bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
     )
-    fast.save_pretrained(out)
-    vocab_size = tokenizer.get_vocab_size()
-    hf_config = LlamaConfig(
-        vocab_size=vocab_size,
+
+
+def tiny_config(hidden: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2, intermediate: int | None = None):
+    """The shipped model's `LlamaConfig` (tied embeddings, rope_theta 1e4, word-level vocabulary)."""
+    from transformers import LlamaConfig
+
+    fast = fast_tokenizer()
+    return LlamaConfig(
+        vocab_size=len(fast),
         hidden_size=hidden,
-        intermediate_size=4 * hidden,
+        intermediate_size=intermediate or 4 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -67,18 +62,36 @@ def build(out: str, seed: int = 0, hidden: int = 64, layers: int = 4, heads: int
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
     )
+
+
+def write_model(out: str, hf_config, params, readme: str) -> str:
+    """Write an HF-format directory: config.json, model.safetensors, tokenizer files and a README."""
+    from safetensors.numpy import save_file
+
+    from kvjax.models.convert import params_to_hf
+
+    os.makedirs(out, exist_ok=True)
+    fast_tokenizer().save_pretrained(out)
     hf_config.save_pretrained(out)
-    cfg = kvjax.ModelConfig.from_pretrained(out)
-    params = kvjax.init_params(cfg, seed=seed, std=0.1)
     tensors = {k: np.asarray(v, np.float32) for k, v in params_to_hf(params).items()}
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out, "README.md"), "w") as f:
-        f.write(
-            "# tiny-llama (random weights)\n\nBuilt by `python -m train.build_tiny_model` (seed "
-            f"{seed}): {layers} layers, hidden {hidden}, {heads} query / {kv_heads} kv heads, vocab {vocab_size} "
-            "(word-level). Random weights: it exercises kvjax offline; its text is not meaningful.\n"
-        )
+        f.write(readme)
     return out
+
+
+def build(out: str, seed: int = 0, hidden: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2) -> str:
+    import kvjax
+
+    hf_config = tiny_config(hidden, layers, heads, kv_heads)
+    cfg = kvjax.ModelConfig.from_hf_dict(hf_config.to_dict())
+    params = kvjax.init_params(cfg, seed=seed, std=0.1)
+    readme = (
+        "# tiny-llama (random weights)\n\nBuilt by `python -m train.build_tiny_model` (seed "
+        f"{seed}): {layers} layers, hidden {hidden}, {heads} query / {kv_heads} kv heads, vocab {cfg.vocab_size} "
+        "(word-level). Random weights: it exercises kvjax offline; its text is not meaningful.\n"
+    )
+    return write_model(out, hf_config, params, readme)
 
 
 def main(argv=None):

@@ -9,9 +9,10 @@ from kvjax.policies.h2o import H2O
 from kvjax.policies.tova import TOVA
 from kvjax.policies.streaming import StreamingLLM
 from kvjax.policies.quest import Quest
+from kvjax.policies.quest_static import QuestStatic
 from kvjax.policies.compose import Compose
 
 __all__ = [
-    "POLICY_REGISTRY", "AdaPyramid", "AdaSnapKV", "Compose", "Quest", "FullPolicy", "H2O", "LayerView", "Policy", "PyramidKV",
+    "POLICY_REGISTRY", "AdaPyramid", "AdaSnapKV", "Compose", "Quest", "QuestStatic", "FullPolicy", "H2O", "LayerView", "Policy", "PyramidKV",
     "ScoredEviction", "SnapKV", "StreamingLLM", "TOVA", "make_policy", "register_policy",
 ]

@@ -1,0 +1,224 @@
+"""Evaluation tasks: synthetic prompts, scoring rules, LongBench metrics, perplexity by decode, sweep output."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from eval import longbench, perplexity, retrieval, sweep
+from train import synthetic
+from train.build_tiny_model import fast_tokenizer
+
+# ------------------------------------------------------------------------------------- synthetic tasks
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return fast_tokenizer()
+
+
+def test_passkey_sample_layout(tokenizer):
+    rng = np.random.default_rng(1)
+    s = synthetic.passkey_sample(rng, 500, depth=0.5)
+    assert s.question == synthetic.PASSKEY_QUESTION
+    assert f"the pass key is {synthetic.digits(s.answer)} ." in s.context
+    assert len(s.answer) == 5 and s.answer.isdigit()
+    ids = tokenizer(s.prompt)["input_ids"]
+    assert abs(len(ids) - 501) <= 2  # BOS + about n_tokens words
+    assert tokenizer.unk_token_id not in ids
+    assert 0.4 <= s.depth <= 0.6
+
+
+def test_multikey_sample_asks_one_record(tokenizer):
+    rng = np.random.default_rng(2)
+    s = synthetic.multikey_sample(rng, 400, num_records=6, depth=0.9)
+    key = s.question.split()[-1]
+    assert s.question == synthetic.MULTIKEY_QUESTION.format(key=key)
+    assert f"{key} {synthetic.digits(s.answer)} ." in s.context
+    assert sum(w in synthetic.KEYS for w in s.context.split()) == 6  # six distinct records
+    assert tokenizer.unk_token_id not in tokenizer(s.prompt)["input_ids"]
+    assert s.depth > 0.8
+
+
+def test_multikey_rejects_bad_record_count():
+    with pytest.raises(ValueError, match="num_records"):
+        synthetic.multikey_sample(np.random.default_rng(0), 300, num_records=0)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("7 1 4 3 2 . remember", "71432"), ("the key is 4 2", "42"), ("no digits", None), ("1 2 x 3", "12")],
+)
+def test_first_integer(text, expected):
+    assert synthetic.first_integer(text) == expected
+
+
+def test_score_text_first_integer_match():
+    assert retrieval.score_text("7 1 4 3 2 .", "71432") == ("71432", True)
+    assert retrieval.score_text("7 1 4 3 .", "71432") == ("7143", False)
+    assert retrieval.score_text("grass", "71432") == (None, False)
+
+
+def test_depths_cycle_and_accuracy_by_depth():
+    samples = retrieval.make_samples("passkey", 300, 4, depths=[0.0, 1.0])
+    assert [round(s.depth) for s in samples] == [0, 1, 0, 1]
+    records = [retrieval.Scored("passkey", 300, s.depth, s.answer, s.answer, i % 2 == 0, "") for i, s in enumerate(samples)]
+    assert retrieval.accuracy(records) == 0.5
+    by_depth = retrieval.accuracy_by_depth(records)
+    assert by_depth["0.0-0.2"] == 1.0 and by_depth["0.8-1.0"] == 0.0
+    with pytest.raises(ValueError, match="unknown retrieval task"):
+        retrieval.make_samples("needle", 300, 1)
+
+
+# ------------------------------------------------------------------------------------ LongBench metrics
+
+
+def test_qa_f1_follows_squad_normalisation():
+    assert longbench.normalize_answer("The  Cat, sat!") == "cat sat"
+    assert longbench.qa_f1("the cat sat", "A cat sat on the mat") == pytest.approx(2 * 1.0 * 0.5 / 1.5)
+    assert longbench.qa_f1("dog", "cat") == 0.0
+    assert longbench.score_prediction("hotpotqa", "Paris", ["paris", "London"]) == 1.0
+    # TriviaQA keeps the first line of the prediction
+    assert longbench.score_prediction("triviaqa", "\nParis\nand more words", ["Paris"]) == 1.0
+
+
+def test_rouge_l_is_lcs_f1():
+    # LCS of "a b c d" and "a c d e" is "a c d" (3): P = 3/4, R = 3/4
+    assert longbench.rouge_l("a b c d", "a c d e") == pytest.approx(0.75)
+    assert longbench.rouge_l("x y", "a b") == 0.0
+    assert longbench.score_prediction("gov_report", "a b c d", ["a c d e"]) == pytest.approx(0.75)
+
+
+def test_longbench_jsonl_skips_bad_rows(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    rows = [
+        {"input": "what colour is the sky ?", "context": "the sky is blue .", "answers": ["blue"], "_id": "a"},
+        {"input": "missing context", "answers": ["x"]},
+        {"input": "q", "context": "c", "answers": []},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    good, skipped = longbench.load_jsonl(str(path))
+    assert [r["_id"] for r in good] == ["a"] and skipped == 3
+
+
+def test_longbench_prompt_middle_truncation(tokenizer):
+    row = {"input": "what is the pass key ?", "context": " ".join(["green"] * 500), "answers": ["1"]}
+    ids = longbench.build_prompt_ids(tokenizer, "hotpotqa", row, max_prompt_tokens=100)
+    assert len(ids) == 101 and ids[0] == tokenizer.bos_token_id
+    full = tokenizer(longbench.PROMPTS["hotpotqa"].format(**row), add_special_tokens=False)["input_ids"]
+    assert ids[1:51] == full[:50] and ids[51:] == full[-50:]
+
+
+# ------------------------------------------------------------------------------- perplexity by decode
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    from kvjax.cli import shipped_model_dir
+
+    return kvjax.load_model(shipped_model_dir())
+
+
+def test_decode_perplexity_equals_dense_forward(shipped):
+    rng = np.random.default_rng(0)
+    ids = shipped.tokenizer(synthetic.passkey_sample(rng, 60).prompt)["input_ids"]
+    result = perplexity.decode_perplexity(shipped, kvjax.make_policy("full"), ids, prefix_tokens=5, progress=False)
+    logits = kvjax.forward_logits(shipped, np.asarray([ids]))[0]
+    logprobs = jax.nn.log_softmax(logits, -1)
+    nll = -np.mean([float(logprobs[t - 1, ids[t]]) for t in range(5, len(ids))])
+    assert result["tokens"] == len(ids) - 5
+    assert result["nll"] == pytest.approx(nll, abs=1e-4)
+    assert result["perplexity"] == pytest.approx(math.exp(nll), rel=1e-4)
+
+
+def test_longbench_run_on_shipped_model(tmp_path, shipped):
+    path = tmp_path / "hotpotqa.jsonl"
+    path.write_text(json.dumps({"input": "what is the pass key ?", "context": "the pass key is 4 2 .", "answers": ["4 2"]}) + "\n")
+    out = longbench.run_longbench(shipped, kvjax.make_policy("full"), "hotpotqa", str(path), max_prompt_tokens=64,
+                                  max_new_tokens=4, progress=False)
+    assert out["samples"] == 1 and out["skipped_rows"] == 0
+    expected = 100 * longbench.score_prediction("hotpotqa", out["records"][0]["prediction"], ["4 2"])
+    assert out["score"] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="unknown LongBench task"):
+        longbench.run_longbench(shipped, kvjax.make_policy("full"), "lcc", str(path))
+
+
+# ------------------------------------------------------------------------------------- sweep output
+
+
+def _fake_result():
+    rows = []
+    for task in ("passkey", "multikey"):
+        rows.append({"task": task, "length": 512, "policy": "full", "budget": None, "accuracy": 1.0, "samples": 4})
+        for b, acc in ((64, 0.25), (128, 0.75)):
+            rows.append({"task": task, "length": 512, "policy": "quest", "budget": b, "accuracy": acc, "samples": 4})
+    latency = [{"length": 512, "policy": p, "budget": None, "decode_ms_per_step": 2.0, "decode_tokens_per_s": 500.0, "batch": 1}
+               for p in ("full", "quest")]
+    return {"tasks": ["passkey", "multikey"], "lengths": [512], "budgets": [64, 128], "policies": ["full", "quest"],
+            "num_records": 4, "accuracy": rows, "latency": latency}
+
+
+def test_sweep_table_and_plot(tmp_path):
+    result = _fake_result()
+    table = sweep.accuracy_table(result)
+    assert "| quest | 25% | 75% |" in table and "| full | 100% | 100% |" in table
+    path = sweep.plot(result, str(tmp_path / "sweep.png"))
+    assert (tmp_path / "sweep.png").stat().st_size > 1000 and path.endswith(".png")
+
+
+# ------------------------------------------------------------------------------ query-agnostic control
+
+
+def test_quest_static_keeps_top_pages_for_the_last_query():
+    from kvjax.policies.base import LayerView
+
+    B, H, G, S, D, ps = 1, 2, 2, 64, 8, 16
+    key = jax.random.PRNGKey(3)
+    k = jax.random.normal(key, (B, H, S, D))
+    q = jax.random.normal(jax.random.fold_in(key, 1), (B, 1, H * G, D))
+    lengths = jnp.array([[64, 40]], jnp.int32)
+    valid = jnp.arange(S)[None, None, :] < lengths[..., None]
+    view = LayerView(layer=1, num_layers=2, k=k, slot_pos=jnp.where(valid, jnp.arange(S), -1), valid=valid,
+                     slot_score=jnp.zeros((B, H, S)), lengths=lengths, next_position=jnp.array([64]),
+                     window_q=q, window_pos=jnp.array([[63]]))
+    policy = kvjax.make_policy("quest_static", token_budget=32, page_size=ps)
+    keep, count = policy.compress_layer(view, 32)
+    kn, qn = np.asarray(k), np.asarray(q)[0, 0].reshape(H, G, D)
+    for h in range(H):
+        n = int(lengths[0, h])
+        pages = [(kn[0, h, p * ps : min((p + 1) * ps, n)]) for p in range(-(-n // ps))]
+        score = [max(np.maximum(qn[h, g] * pg.min(0), qn[h, g] * pg.max(0)).sum() for g in range(G)) for pg in pages]
+        current = len(pages) - 1
+        best = max((p for p in range(current)), key=lambda p: score[p])
+        expected = sorted(set(range(current * ps, n)) | set(range(best * ps, (best + 1) * ps)))
+        kept = [int(s) for s in np.asarray(keep[0, h]) if s >= 0]
+        # a full current page: exactly it and the best other page; a partial one: those plus part of the next best
+        assert kept == expected if n % ps == 0 else set(expected) <= set(kept), (h, kept, expected)
+        assert int(count[0, h]) == len(kept) == 32
+
+
+def test_demo_table_lists_every_policy():
+    from kvjax.demo import demo_table
+
+    result = _fake_result()
+    result.update(budgets=[64], lengths=[512], num_samples=4, dense_layers=1, seconds=1.0,
+                  machine={"processor": "cpu", "cpu_model": "test cpu"})
+    result["accuracy"] = [r for r in result["accuracy"] if r["budget"] in (None, 64)]
+    table = demo_table(result)
+    assert "| full |  | 100% | 100% | 2.0 | 500 |" in table
+    assert "| quest | 64 | 25% | 25% | 2.0 | 500 |" in table
+
+
+def test_shipped_model_retrieves(shipped):
+    """The trained default model answers passkey and 4-record multi-key prompts with full attention."""
+    full = kvjax.make_policy("full")
+    passkey = retrieval.run_task(shipped, full, "passkey", 512, 8, seed=5)
+    multikey = retrieval.run_task(shipped, full, "multikey", 512, 8, seed=5, num_records=4)
+    assert retrieval.accuracy(passkey) >= 7 / 8, [r.text for r in passkey]
+    assert retrieval.accuracy(multikey) >= 6 / 8, [r.text for r in multikey]
