@@ -1,8 +1,9 @@
 """Serving-side memory management (Jenga): layer-group specs, a two-level page allocator for
-heterogeneous KV caches, prefix caching aligned across group types, and typed jnp views of the pool.
+heterogeneous KV caches, prefix caching aligned across group types, typed jnp views of the pool, and a
+continuous-batching engine that serves a model over them.
 
-Host-side modules (specs, layout, hashing, page_pool, prefix_cache, allocator) are pure Python; only
-`views` imports jax, and it is loaded on first use.
+Host-side modules (specs, layout, hashing, page_pool, prefix_cache, allocator, model_groups) are pure
+Python; `views`, `paged_step` and `engine` import jax and are loaded on first use.
 """
 
 from kvjax.serving.allocator import (
@@ -17,6 +18,7 @@ from kvjax.serving.allocator import (
 )
 from kvjax.serving.hashing import ROOT_HASH, chain_hashes, hash_block
 from kvjax.serving.layout import PoolLayout, choose_large_page_bytes
+from kvjax.serving.model_groups import LayerGroups, alternating_windows, build_layer_groups
 from kvjax.serving.prefix_cache import PrefixHit, longest_common_hit
 from kvjax.serving.specs import (
     AuxiliaryModelSpec,
@@ -28,7 +30,10 @@ from kvjax.serving.specs import (
     UniformPagingSpec,
 )
 
-_VIEW_NAMES = ("make_pool", "typed_view", "read_typed_pages", "write_typed_pages", "apply_page_copies")
+_VIEW_NAMES = (
+    "make_pool", "typed_view", "reinterpret_pages", "read_typed_pages", "write_typed_pages", "apply_page_copies",
+)
+_ENGINE_NAMES = ("Engine", "EngineMetrics", "RequestOutput")
 
 
 def __getattr__(name: str):
@@ -36,6 +41,10 @@ def __getattr__(name: str):
         from kvjax.serving import views
 
         return getattr(views, name)
+    if name in _ENGINE_NAMES:
+        from kvjax.serving import engine
+
+        return getattr(engine, name)
     raise AttributeError(f"module 'kvjax.serving' has no attribute {name!r}")
 
 
@@ -48,6 +57,7 @@ __all__ = [
     "GroupSpec",
     "GroupStats",
     "JengaAllocator",
+    "LayerGroups",
     "PageCopy",
     "PoolLayout",
     "PoolStats",
@@ -58,9 +68,12 @@ __all__ = [
     "SlidingWindowSpec",
     "StalePrefixHitError",
     "UniformPagingSpec",
+    "alternating_windows",
+    "build_layer_groups",
     "chain_hashes",
     "choose_large_page_bytes",
     "hash_block",
     "longest_common_hit",
     *_VIEW_NAMES,
+    *_ENGINE_NAMES,
 ]

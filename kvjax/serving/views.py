@@ -40,12 +40,26 @@ def typed_view(pool: jax.Array, layout: PoolLayout, group: str | int) -> jax.Arr
     [pages, layers, 2, tokens_per_page, kv_heads, head_dim]); index it with the allocator's page ids.
     """
     spec = layout.spec(group)
-    dtype = jnp.dtype(spec.dtype)
+    return reinterpret_pages(pool, layout, group, spec.dtype, spec.page_shape)
+
+
+def reinterpret_pages(pool: jax.Array, layout: PoolLayout, group: str | int, dtype, page_shape) -> jax.Array:
+    """The pages of `group` read as dtype[num_pages(group), *page_shape], a shape of the same byte size as
+    the group's page. typed_view uses the spec's own dtype and shape; the serving engine reads a uniform
+    paging group's uint8 pages [layers, tokens, bytes] as KV pages [layers, 2, tokens, kv_heads, head_dim].
+    """
+    spec = layout.spec(group)
+    dtype = jnp.dtype(dtype)
+    page_shape = tuple(int(d) for d in page_shape)
+    if int(np.prod(page_shape)) * dtype.itemsize != spec.page_bytes:
+        raise ValueError(
+            f"group {spec.name!r}: pages of {spec.page_bytes} bytes cannot be read as {dtype}{list(page_shape)}"
+        )
     rows = _page_bytes_2d(pool, layout, group)
     if dtype.itemsize > 1:
         rows = rows.reshape(rows.shape[0], -1, dtype.itemsize)
     values = jax.lax.bitcast_convert_type(rows, dtype)
-    return values.reshape((rows.shape[0], *spec.page_shape))
+    return values.reshape((rows.shape[0], *page_shape))
 
 
 def read_typed_pages(pool: jax.Array, layout: PoolLayout, group: str | int, page_ids: jax.Array) -> jax.Array:

@@ -1,0 +1,181 @@
+"""A served model's layers as allocator groups: which layers attend fully and which through a sliding
+window, the group specs that page them (Jenga: one group per kind; uniform: one group for all layers),
+and an upper bound on the pages one request can hold, for admission control.
+
+Pure host code (no jax).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvjax.serving.layout import PoolLayout
+from kvjax.serving.specs import DTYPE_BYTES, FullAttentionSpec, GroupSpec, SlidingWindowSpec, UniformPagingSpec
+
+PAGINGS = ("jenga", "uniform")
+FULL_GROUP = "full_attention"
+
+
+def sliding_group_name(window: int) -> str:
+    return f"sliding_window_{window}"
+
+
+def alternating_windows(num_layers: int, window: int, first_sliding: bool = True) -> tuple[int | None, ...]:
+    """Gemma-2's pattern: layers alternate a sliding window of `window` tokens and full attention
+    (Gemma-2's layer 0 is a sliding one). None marks a full-attention layer."""
+    if window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    start = 0 if first_sliding else 1
+    return tuple(window if (layer - start) % 2 == 0 else None for layer in range(num_layers))
+
+
+def normalize_windows(windows: Sequence[int | None] | None, num_layers: int, default: int | None) -> tuple[int, ...]:
+    """Per-layer windows as ints, 0 for full attention. `windows` None: every layer uses `default` (the
+    model config's sliding_window, as Mistral applies it to every layer; None: full attention)."""
+    if windows is None:
+        windows = [default] * num_layers
+    windows = list(windows)
+    if len(windows) != num_layers:
+        raise ValueError(f"windows has {len(windows)} entries but the model has {num_layers} layers")
+    out = []
+    for layer, window in enumerate(windows):
+        if window is None:
+            out.append(0)
+        elif isinstance(window, int) and not isinstance(window, bool) and window > 0:
+            out.append(window)
+        else:
+            raise ValueError(f"windows[{layer}] must be None (full attention) or a positive int, got {window!r}")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """How a model's layers map onto allocator groups.
+
+    specs: the allocator's groups. layer_group[l]: the group of model layer l; layer_slot[l]: its index
+    among the group's layers (the page's first axis); layer_window[l]: its window, 0 for full attention.
+    Every group's page is read as [layers, 2 (k, v), tokens_per_page, kv_heads, head_dim] of `dtype`
+    (a uniform paging group's uint8 page has exactly that size: every layer has the same KV shape).
+    """
+
+    specs: tuple[GroupSpec, ...]
+    layer_group: tuple[int, ...]
+    layer_slot: tuple[int, ...]
+    layer_window: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    paging: str
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_group)
+
+    def group_layers(self, group: int) -> int:
+        return sum(1 for g in self.layer_group if g == group)
+
+    def kv_page_shape(self, group: int) -> tuple[int, ...]:
+        tpp = self.specs[group].tokens_per_page
+        return (self.group_layers(group), 2, tpp, self.num_kv_heads, self.head_dim)
+
+    def read_offset_block(self, group: int, start: int) -> int:
+        """First block of `group` a step whose queries start at token `start` reads: blocks before it hold
+        only keys out of every query's window (and the allocator may have released them)."""
+        spec = self.specs[group]
+        return spec.first_needed_token(start) // spec.tokens_per_page
+
+    def peak_pages(self, group: int, total_tokens: int, chunk_size: int, keep_window: bool) -> int:
+        """Upper bound on the small pages of `group` a request holds at once when it caches at most
+        `total_tokens` tokens, computed in steps of at most `chunk_size` tokens. A sliding window holds the
+        blocks of its window plus the step's chunk (plus, with `keep_window`, one more window kept for a
+        shared prefix); everything else holds every block."""
+        spec = self.specs[group]
+        tpp = spec.tokens_per_page
+        every_block = -(-total_tokens // tpp)
+        if not isinstance(spec, SlidingWindowSpec):
+            return every_block
+        in_window = -(-(chunk_size + spec.window - 1) // tpp) + 1
+        kept = (-(-(spec.window - 1) // tpp) + 1) if keep_window else 0
+        return min(every_block, in_window + kept)
+
+    def peak_large_pages(self, layout: PoolLayout, total_tokens: int, chunk_size: int, keep_window: bool) -> dict[str, tuple[int, int]]:
+        """Per group name: (peak small pages, the large pages they fill) for one request (see peak_pages)."""
+        out = {}
+        for group, spec in enumerate(self.specs):
+            pages = self.peak_pages(group, total_tokens, chunk_size, keep_window)
+            out[spec.name] = (pages, -(-pages // layout.pages_per_large(group)))
+        return out
+
+
+def build_layer_groups(
+    windows: Sequence[int],
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    tokens_per_page: int = 16,
+    paging: str = "jenga",
+) -> LayerGroups:
+    """Groups for a model whose layer l has window windows[l] (0: full attention).
+
+    paging "jenga": one FullAttentionSpec group of the full layers and one SlidingWindowSpec group per
+    distinct window. "uniform" (the baseline, vLLM v0): one UniformPagingSpec group of every layer, in model
+    order, holding every token of every layer for the request's life; the sliding layers still attend
+    within their window (the model is the same), only the memory differs.
+    """
+    if paging not in PAGINGS:
+        raise ValueError(f"paging must be one of {PAGINGS}, got {paging!r}")
+    windows = tuple(windows)
+    shape = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, tokens_per_page=tokens_per_page)
+    kinds = sorted(set(windows), key=lambda w: (w != 0, w))  # full attention first, then by window
+    specs: list[GroupSpec] = []
+    for window in kinds:
+        count = windows.count(window)
+        if window == 0:
+            specs.append(FullAttentionSpec(name=FULL_GROUP, num_layers=count, **shape))
+        else:
+            specs.append(SlidingWindowSpec(name=sliding_group_name(window), num_layers=count, window=window, **shape))
+    if paging == "uniform":
+        uniform = UniformPagingSpec(members=tuple(specs), tokens_per_page=tokens_per_page)
+        expected = len(windows) * tokens_per_page * 2 * num_kv_heads * head_dim * specs[0].itemsize
+        assert uniform.page_bytes == expected, "uniform page must hold [layers, 2, tokens, kv_heads, head_dim]"
+        return LayerGroups(
+            (uniform,), (0,) * len(windows), tuple(range(len(windows))), windows, num_kv_heads, head_dim, dtype, paging
+        )
+    layer_group, layer_slot = [], []
+    seen = [0] * len(kinds)
+    for window in windows:
+        group = kinds.index(window)
+        layer_group.append(group)
+        layer_slot.append(seen[group])
+        seen[group] += 1
+    return LayerGroups(tuple(specs), tuple(layer_group), tuple(layer_slot), windows, num_kv_heads, head_dim, dtype, paging)
+
+
+def row_bytes(groups: LayerGroups) -> int:
+    """Bytes of one (layer, k or v, token) row of a page: kv_heads * head_dim elements."""
+    return groups.num_kv_heads * groups.head_dim * DTYPE_BYTES[groups.dtype]
+
+
+def check_row_aligned(groups: LayerGroups, layout: PoolLayout) -> int:
+    """The pool is written in rows of row_bytes; every page and large page must start on a row."""
+    size = row_bytes(groups)
+    for spec in groups.specs:
+        if spec.page_bytes % size:
+            raise ValueError(f"group {spec.name!r}: page of {spec.page_bytes} bytes is not a whole number of {size}-byte rows")
+    if layout.large_page_bytes % size:
+        raise ValueError(f"large page of {layout.large_page_bytes} bytes is not a whole number of {size}-byte rows")
+    return size
+
+
+__all__ = [
+    "FULL_GROUP",
+    "LayerGroups",
+    "PAGINGS",
+    "alternating_windows",
+    "build_layer_groups",
+    "check_row_aligned",
+    "normalize_windows",
+    "row_bytes",
+    "sliding_group_name",
+]
