@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from eval import retrieval
@@ -61,15 +63,30 @@ def time_decode(model, policy, prompts: Sequence[Sequence[int]], steps: int = 16
 def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequence[int] = (64, 128),
               lengths: Sequence[int] = (2048,), tasks: Sequence[str] = ("passkey", "multikey"), num_samples: int = 20,
               num_records: int = 4, seed: int = 0, dense_layers: int = DEFAULT_DENSE_LAYERS, batch_size: int = 8,
-              latency: bool = True, progress: bool = True) -> dict:
-    """Accuracy rows {task, length, policy, budget, accuracy, correct, samples} and latency rows."""
+              latency: bool = True, progress: bool = True, checkpoint: str | None = None) -> dict:
+    """Accuracy rows {task, length, policy, budget, accuracy, correct, samples} and latency rows.
+
+    With `checkpoint` (a jsonl path), each finished cell is appended there, and cells already in it (same
+    task, length, policy, budget, samples, records, seed and dense_layers) are not run again: a killed
+    sweep resumes where it stopped."""
     from tqdm import tqdm
 
     cells = [(t, n, p, b) for t in tasks for n in lengths for p in policies for b in ((None,) if p == "full" else budgets)]
+    setting = {"samples": num_samples, "records": num_records, "seed": seed, "dense_layers": dense_layers}
+    done = {}
+    if checkpoint and os.path.exists(checkpoint):
+        with open(checkpoint) as f:
+            for line in f:
+                row = json.loads(line)
+                if row.pop("setting", None) == setting:
+                    done[(row["task"], row["length"], row["policy"], row["budget"])] = row
     rows, latency_rows = [], []
     bar = tqdm(cells, desc="sweep", disable=not progress)
     for task, n_tokens, name, budget in bar:
         bar.set_postfix_str(f"{task} {n_tokens} {name} {budget or ''}")
+        if (task, n_tokens, name, budget) in done:
+            rows.append(done[(task, n_tokens, name, budget)])
+            continue
         policy = build_policy(name, budget, dense_layers)
         started = time.perf_counter()
         records = retrieval.run_task(model, policy, task, n_tokens, num_samples, seed, num_records, batch_size=batch_size)
@@ -79,6 +96,12 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
             "samples": len(records), "seconds": round(time.perf_counter() - started, 2),
             "by_depth": retrieval.accuracy_by_depth(records),
         })
+        # every (policy, budget) compiles its own steps; dropping them bounds the process's memory maps (a
+        # full sweep otherwise ended in "LLVM compilation error: Cannot allocate memory" here after ~30 cells)
+        jax.clear_caches()
+        if checkpoint:
+            with open(checkpoint, "a") as f:
+                f.write(json.dumps({**rows[-1], "setting": setting}) + "\n")
     if latency:
         for n_tokens in tqdm(lengths, desc="latency", disable=not progress):
             # the accuracy runs' batch shape, so the decode step compiled for them is reused
@@ -179,9 +202,11 @@ def main(argv=None) -> int:
     from kvjax.cli import enable_compilation_cache, resolve_model_path
 
     enable_compilation_cache()
+    os.makedirs(args.out, exist_ok=True)
     model = kvjax.load_model(resolve_model_path(args.model))
     result = run_sweep(model, args.policies, args.budgets, args.lengths, args.tasks, args.samples, args.records,
-                       args.seed, args.dense_layers, latency=not args.no_latency)
+                       args.seed, args.dense_layers, latency=not args.no_latency,
+                       checkpoint=f"{args.out}/{args.name}.cells.jsonl")
     result["model"] = args.model
     table = accuracy_table(result)
     paths = write_outputs(args.out, args.name, result, table)

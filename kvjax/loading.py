@@ -124,12 +124,15 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def load_model(path: str | os.PathLike, dtype="float32") -> Model:
-    """Load `config.json`, safetensors weights and the tokenizer from a local HF directory.
+    """Load `config.json`, safetensors weights and the tokenizer from a local HF directory, or the model
+    kvjax ships when `path` is "tiny" (and no directory of that name exists).
 
     `dtype` ("float32", "bfloat16", "float16") is the parameter and compute dtype; attention softmax and
     logits are float32. Raises `CheckpointError` naming missing, unexpected or mis-shaped tensors.
     """
     path = os.fspath(path)
+    if path == "tiny" and not os.path.isdir(path):
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-llama")
     if not os.path.isdir(path):
         raise FileNotFoundError(
             f"model directory {path!r} does not exist (kvjax loads local Hugging Face directories; "

@@ -222,3 +222,27 @@ def test_shipped_model_retrieves(shipped):
     multikey = retrieval.run_task(shipped, full, "multikey", 512, 8, seed=5, num_records=4)
     assert retrieval.accuracy(passkey) >= 7 / 8, [r.text for r in passkey]
     assert retrieval.accuracy(multikey) >= 6 / 8, [r.text for r in multikey]
+
+
+def test_sweep_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run_task(model, policy, task, n_tokens, num_samples, seed, num_records, batch_size=8):
+        calls.append((task, policy.name))
+        return [retrieval.Scored(task, n_tokens, 0.5, "1", "1", i % 2 == 0, "1") for i in range(num_samples)]
+
+    monkeypatch.setattr(retrieval, "run_task", fake_run_task)
+    checkpoint = str(tmp_path / "cells.jsonl")
+    kwargs = dict(policies=("full", "streaming"), budgets=(64,), lengths=(512,), tasks=("passkey",), num_samples=4,
+                  latency=False, progress=False, checkpoint=checkpoint)
+    first = sweep.run_sweep(None, **kwargs)
+    assert len(calls) == 2 and [r["accuracy"] for r in first["accuracy"]] == [0.5, 0.5]
+
+    def fail(*args, **kw):
+        raise AssertionError("a finished cell ran again")
+
+    monkeypatch.setattr(retrieval, "run_task", fail)
+    again = sweep.run_sweep(None, **kwargs)
+    assert again["accuracy"] == first["accuracy"]
+    with pytest.raises(AssertionError, match="ran again"):  # another setting is not taken from the checkpoint
+        sweep.run_sweep(None, **{**kwargs, "num_samples": 8})
