@@ -1,0 +1,310 @@
+"""CacheClip against full prefill, direct reuse, APE-style parallel encoding and CacheBlend on synthetic
+multi-document RAG with the shipped model: accuracy against recompute ratio, and prefill time.
+
+A prompt is `<s>` + a short system prefix + 8 chunks of 256 tokens + a multi-key question. The chunks are
+the shipped filler holding records "{key} d d d d ." (train/synthetic.py); the asked record straddles a
+chunk boundary ("tiger 4 7 | 1 9 .": the second chunk's first tokens were encoded without what precedes
+them), so answering needs attention across chunks. A control set asks a record that lies inside one chunk.
+Answers: greedy decoding through `kvjax.decode_step`, exact match of the 4 digits.
+
+Prefill time: every method from the same prompts in one run, warm (compiled beforehand), interleaved
+round-robin so that load on the machine hits all methods alike; median of the repeats. Chunk caches are
+computed beforehand (offline, as in the paper); a method's time covers store lookup, assembly (rotation),
+auxiliary scoring, selection, the recomputation and writing the paged KV state.
+
+    python -m eval.bench_cacheclip --model /path/to/trained-model   # eval/results/cacheclip/*.{json,md,png}
+    python -m eval.bench_cacheclip --quick                          # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from eval._report import machine_info, markdown_table, write_outputs
+from train import synthetic
+
+SYSTEM_PREFIX = "read the context document below and answer the question ."
+DEFAULT_MODEL = "kvjax/assets/tiny-llama"
+RECORD_LEN = len(synthetic.record_words("key", "1234"))  # key, 4 digits, "."
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def _filler_ending_at_sentence_end(rng, n: int) -> list[str]:
+    """`n` filler words continuing the cycle so that they end with a sentence's '.' (records follow a '.',
+    as in training); they may start mid-sentence."""
+    ends = [i for i, w in enumerate(synthetic.FILLER_WORDS) if w == "."]
+    end = int(rng.choice(ends))
+    offset = (end + 1 - n) % len(synthetic.FILLER_WORDS)
+    return synthetic.filler_words(n, offset)
+
+
+def rag_sample(rng, num_chunks: int, chunk_len: int, num_records: int, straddle: bool):
+    """(chunks as word lists, question, answer, start, split): the asked record starts at document token
+    `start` and straddles a chunk boundary (split = its tokens before the boundary, 1..5) or lies inside
+    one chunk (split = 0)."""
+    records = synthetic.multikey_records(rng, num_records)
+    words = [synthetic.record_words(k, v) for k, v in records]
+    size = RECORD_LEN
+    total = num_chunks * chunk_len
+    if straddle:
+        boundary = chunk_len * int(rng.integers(1, num_chunks))
+        split = int(rng.integers(1, size))
+        asked_start = boundary - split
+    else:
+        split, chunk = 0, int(rng.integers(num_chunks))
+        asked_start = chunk * chunk_len + int(rng.integers(16, chunk_len - size - 16))
+    starts = [asked_start]
+    while len(starts) < num_records:  # the others anywhere, at least 12 tokens from each other
+        start = int(rng.integers(12, total - size))
+        if all(abs(start - s) >= size + 12 for s in starts):
+            starts.append(start)
+    order = np.argsort(starts)
+    doc, cursor = [], 0
+    for i in order:
+        doc += _filler_ending_at_sentence_end(rng, starts[i] - cursor) + words[i]
+        cursor = starts[i] + size
+    doc += synthetic.filler_words(total - cursor)
+    chunks = [doc[c * chunk_len : (c + 1) * chunk_len] for c in range(num_chunks)]
+    key, value = records[0]
+    return chunks, synthetic.MULTIKEY_QUESTION.format(key=key), value, asked_start, split
+
+
+def encode_words(tokenizer, words, bos: bool = False) -> np.ndarray:
+    ids = tokenizer(" ".join(words), add_special_tokens=False)["input_ids"]
+    if len(ids) != len(words):
+        raise ValueError(f"expected one token per word (the shipped word-level tokenizer), got {len(ids)} for {len(words)}")
+    return np.asarray(([tokenizer.bos_token_id] if bos else []) + ids, np.int32)
+
+
+# --------------------------------------------------------------------------------------------- methods
+
+
+def method_table(ratios, blend_ratios, aux_layers):
+    """name -> (rag_prefill method, ratio, extra kwargs)."""
+    table = {"full": ("full", None, {}), "recompute_all": ("recompute_all", 1.0, {}), "reuse": ("reuse", None, {}),
+             "ape": ("ape", None, {})}
+    for r in blend_ratios:
+        table[f"cacheblend@{r:g}"] = ("cacheblend", r, {})
+    for r in ratios:
+        table[f"cacheclip@{r:g}"] = ("cacheclip", r, {"aux_layers": aux_layers})
+    table[f"cacheclip-nogroup@{0.2:g}"] = ("cacheclip", 0.2, {"aux_layers": aux_layers, "grouping": False})
+    return table
+
+
+def run_method(model, store, request, spec, aux_cache):
+    from kvjax.rag import AuxScorer, rag_prefill
+
+    method, ratio, extra = spec
+    kwargs = {}
+    if method == "recompute_all":
+        ratio = None
+    if method == "cacheclip":
+        n = extra["aux_layers"]
+        context = extra.get("aux_context", "reuse")
+        if (n, context) not in aux_cache:
+            aux_cache[(n, context)] = AuxScorer.truncated(model, n, context)
+        kwargs = {"aux": aux_cache[(n, context)], "grouping": extra.get("grouping", True)}
+    prefix, chunks, query = request
+    return rag_prefill(model, store, prefix, chunks, query, method, ratio=ratio, max_new_tokens=8, **kwargs)
+
+
+def answer(model, result, tokenizer, num_digits: int) -> str | None:
+    """The greedy answer's digits. The model does not stop after a record's digits (it goes on with more), so
+    exactly as many tokens as the answer has digits are decoded."""
+    from kvjax.rag import greedy_continue
+
+    tokens = greedy_continue(model, result, num_digits)
+    return synthetic.first_integer(tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True))
+
+
+def block(result):
+    jax.block_until_ready((result.state, result.logits))
+    return result
+
+
+def straddler_recall(result, request_meta) -> float | None:
+    """Share of the asked record's tokens after the chunk boundary that were recomputed."""
+    slots = request_meta.get("after_boundary")
+    if result.recomputed is None or slots is None or not len(slots):
+        return None
+    return float(np.isin(slots, result.recomputed).mean())
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    from tqdm import tqdm
+
+    import kvjax
+    from kvjax.rag import ChunkStore
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--samples", type=int, default=50, help="prompts per question set")
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--chunk-len", type=int, default=256)
+    parser.add_argument("--records", type=int, default=6)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.4])
+    parser.add_argument("--blend-ratios", type=float, nargs="+", default=[0.1, 0.15, 0.2, 0.4])
+    parser.add_argument("--aux-layers", type=int, default=None, help="auxiliary model = the first N layers")
+    parser.add_argument("--aux-sweep", action="store_true", help="also CacheClip@0.2 with every aux depth and the full-prefill aux")
+    parser.add_argument("--timing-prompts", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="eval/results/cacheclip")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.samples, args.chunks, args.chunk_len, args.timing_prompts, args.repeats = 4, 4, 64, 1, 2
+
+    model = kvjax.load_model(args.model)
+    tok = model.tokenizer
+    L = model.cfg.num_layers
+    aux_layers = args.aux_layers or max(1, L // 2)
+    methods = method_table(args.ratios, args.blend_ratios, aux_layers)
+    if args.aux_sweep:
+        for n in range(1, L):
+            methods[f"cacheclip@0.2 aux={n}"] = ("cacheclip", 0.2, {"aux_layers": n})
+        methods[f"cacheclip@0.2 aux={aux_layers} full-aux"] = ("cacheclip", 0.2, {"aux_layers": aux_layers, "aux_context": "full"})
+    rng = np.random.default_rng(args.seed)
+    prefix = encode_words(tok, SYSTEM_PREFIX.split(), bos=True)
+
+    sets = {}
+    for name, straddle in (("straddling", True), ("within-chunk", False)):
+        prompts = []
+        for _ in range(args.samples):
+            chunks, question, value, start, split = rag_sample(rng, args.chunks, args.chunk_len, args.records, straddle)
+            chunk_ids = [encode_words(tok, c) for c in chunks]
+            # slots (in the assembled context) of the asked record's tokens after the chunk boundary
+            after = len(prefix) + np.arange(start + split, start + RECORD_LEN) if split else None
+            meta = {"answer": value, "split": split, "after_boundary": after}
+            prompts.append(((prefix, chunk_ids, encode_words(tok, question.split())), meta))
+        sets[name] = prompts
+
+    store = ChunkStore(model)
+    t0 = time.perf_counter()
+    for prompts in sets.values():
+        for (pre, chunks, _), _ in prompts:
+            store.chunks(pre, chunks)
+    precompute_s = time.perf_counter() - t0
+
+    aux_cache: dict = {}
+    accuracy: dict = {name: {} for name in sets}
+    recall: dict = {}
+    ratio_used: dict = {}
+    for set_name, prompts in sets.items():
+        for (request, meta) in tqdm(prompts, desc=f"accuracy ({set_name})"):
+            for name, spec in methods.items():
+                result = run_method(model, store, request, spec, aux_cache)
+                ratio_used[name] = result.recompute_ratio
+                if set_name == "straddling":
+                    r = straddler_recall(result, meta)
+                    if r is not None:
+                        recall.setdefault(name, []).append(r)
+                accuracy[set_name].setdefault(name, []).append(answer(model, result, tok, len(meta["answer"])) == meta["answer"])
+
+    # timing: warm, interleaved, median
+    timing_prompts = [req for req, _ in sets["straddling"][: args.timing_prompts]]
+    times: dict = {name: [] for name in methods}
+    for _ in tqdm(range(args.repeats), desc="timing"):
+        for request in timing_prompts:
+            for name, spec in methods.items():
+                t = time.perf_counter()
+                block(run_method(model, store, request, spec, aux_cache))
+                times[name].append(time.perf_counter() - t)
+    median = {name: statistics.median(v) for name, v in times.items()}
+
+    # auxiliary scoring alone, for the breakdown
+    from kvjax.rag import assemble
+
+    aux_times = []
+    aux = aux_cache[(aux_layers, "reuse")]
+    for _ in range(args.repeats):
+        for prefix_ids, chunks, query in timing_prompts:
+            ctx = assemble(model, store, prefix_ids, chunks, query, max_new_tokens=8)
+            t = time.perf_counter()
+            aux.scores(ctx)
+            aux_times.append(time.perf_counter() - t)
+
+    full_acc = {s: float(np.mean(accuracy[s]["full"])) for s in sets}
+    rows, results = [], {}
+    for name, spec in methods.items():
+        entry = {
+            "method": spec[0], "ratio": spec[1], "recompute_ratio": ratio_used[name],
+            "prefill_ms_median": 1e3 * median[name], "prefill_ms_all": [1e3 * t for t in times[name]],
+            "speedup_vs_full": median["full"] / median[name],
+        }
+        for s in sets:
+            acc = float(np.mean(accuracy[s][name]))
+            entry[f"accuracy_{s}"] = acc
+            entry[f"relative_accuracy_{s}"] = acc / full_acc[s] if full_acc[s] else None
+        entry["straddler_recall"] = float(np.mean(recall[name])) if name in recall else None
+        results[name] = entry
+        rows.append([
+            name, f"{entry['recompute_ratio']:.0%}" if spec[1] is not None or name == "full" else "0%",
+            f"{entry['accuracy_straddling']:.2f}", f"{entry['accuracy_within-chunk']:.2f}",
+            "" if entry["straddler_recall"] is None else f"{entry['straddler_recall']:.2f}",
+            f"{entry['prefill_ms_median']:.1f}", f"{entry['speedup_vs_full']:.2f}x",
+        ])
+    payload = {
+        "machine": machine_info(),
+        "model": args.model,
+        "model_config": {"layers": L, "hidden": model.cfg.hidden_size, "heads": model.cfg.num_heads,
+                         "kv_heads": model.cfg.num_kv_heads, "head_dim": model.cfg.head_dim},
+        "setup": {"samples_per_set": args.samples, "chunks": args.chunks, "chunk_len": args.chunk_len,
+                  "records": args.records, "prefix_tokens": int(len(prefix)), "aux_layers": aux_layers,
+                  "timing_prompts": args.timing_prompts, "repeats": args.repeats, "seed": args.seed,
+                  "store_form": store.form, "chunk_precompute_s": precompute_s},
+        "aux_scoring_ms_median": 1e3 * statistics.median(aux_times),
+        "results": results,
+    }
+    header = ["method", "recomputed", "acc straddling", "acc within-chunk", "straddler recall", "prefill ms", "speedup vs full"]
+    table = markdown_table(header, rows)
+    table += (f"\n{args.samples} prompts per set, {args.chunks} chunks x {args.chunk_len} tokens, {args.records} records; "
+              f"auxiliary model = the first {aux_layers} of {L} layers (scoring alone: "
+              f"{payload['aux_scoring_ms_median']:.1f} ms median). Prefill: median of {args.repeats} x "
+              f"{args.timing_prompts} warm runs, interleaved; {payload['machine'].get('cpu_model', '')}, "
+              f"{payload['machine']['cpu_count']} cores, JAX {payload['machine']['jax']} CPU.\n")
+    paths = write_outputs(args.out, "bench_cacheclip", payload, table)
+    plot(payload, paths["json"].replace(".json", ".png"))
+    print(table)
+    return payload
+
+
+def plot(payload: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = payload["results"]
+    fig, (acc_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for method, marker in (("cacheclip", "o"), ("cacheblend", "s")):
+        points = sorted((v["ratio"], v["accuracy_straddling"]) for k, v in results.items()
+                        if v["method"] == method and "nogroup" not in k and "aux" not in k)
+        acc_ax.plot([100 * r for r, _ in points], [a for _, a in points], marker=marker, label=method)
+    for name, style in (("full", "k-"), ("reuse", "r--"), ("ape", "m:")):
+        acc_ax.axhline(results[name]["accuracy_straddling"], color=style[0], linestyle=style[1:], label=name)
+    acc_ax.set_xlabel("recomputed chunk tokens (%)")
+    acc_ax.set_ylabel("exact match, straddling records")
+    acc_ax.set_ylim(-0.02, 1.02)
+    acc_ax.legend()
+    names = list(results)
+    time_ax.barh(names, [results[n]["prefill_ms_median"] for n in names])
+    time_ax.set_xlabel("prefill time (ms, median)")
+    time_ax.invert_yaxis()
+    fig.suptitle("CacheClip vs baselines: 8 chunks x 256 tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""CacheClip and baselines for RAG: reusable per-chunk KV caches, assembly, and selective recomputation.
+
+See docs/cacheclip.md. Typical use:
+
+    store = ChunkStore(model)                                   # pre-RoPE chunk caches keyed by content hash
+    result = rag_prefill(model, store, prefix, chunks, query, "cacheclip", ratio=0.2)
+    tokens = greedy_continue(model, result, 8)                  # or kvjax.decode_step on result.state
+"""
+
+from kvjax.rag.assemble import AssembledContext, assemble
+from kvjax.rag.baselines import cacheblend_prefill, direct_reuse, full_prefill
+from kvjax.rag.pipeline import METHODS, greedy_continue, rag_prefill
+from kvjax.rag.prefill import RagPrefill, recompute
+from kvjax.rag.recompute import AuxScorer, cacheclip_prefill, group_windows, truncated_model
+from kvjax.rag.rope_shift import RopeShiftError, rotate_keys, shift_keys
+from kvjax.rag.store import ChunkKV, ChunkMismatchError, ChunkStore, Fingerprint, model_fingerprint
+
+__all__ = [
+    "AssembledContext",
+    "AuxScorer",
+    "ChunkKV",
+    "ChunkMismatchError",
+    "ChunkStore",
+    "Fingerprint",
+    "METHODS",
+    "RagPrefill",
+    "RopeShiftError",
+    "assemble",
+    "cacheblend_prefill",
+    "cacheclip_prefill",
+    "direct_reuse",
+    "full_prefill",
+    "greedy_continue",
+    "group_windows",
+    "model_fingerprint",
+    "rag_prefill",
+    "recompute",
+    "rotate_keys",
+    "shift_keys",
+    "truncated_model",
+]

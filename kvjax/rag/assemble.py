@@ -1,0 +1,124 @@
+"""Assemble a RAG context from cached pieces: the shared prefix once, the chunks after it (their own copies
+of the prefix, the repeated sinks, were never stored), contiguous positions, and slots for the query.
+
+Keys come out post-RoPE at their new positions: pre-RoPE entries are rotated there, rotated entries are
+re-rotated by the position delta. The query's slots hold zeros until a forward writes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig
+from kvjax.loading import Model
+from kvjax.rag.rope_shift import check_shiftable, rotate_keys, shift_keys
+from kvjax.rag.store import ChunkKV, ChunkStore, check_fingerprint, model_fingerprint
+from kvjax.rope import uses_long_factors
+
+
+@dataclasses.dataclass
+class AssembledContext:
+    """One request's context, B = 1. S = prefix + chunk + query tokens; L layers; H kv heads; D head dim."""
+
+    tokens: np.ndarray  # int32[S]
+    positions: np.ndarray  # int32[S]
+    k: tuple  # L x [1, S, H, D] post-RoPE at `positions` (zeros at the query's slots until computed)
+    v: tuple  # L x [1, S, H, D]
+    prefix_len: int
+    chunk_spans: list  # (start, end) slots of each chunk
+    query_len: int
+    long_rope: bool
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def query_slots(self) -> np.ndarray:
+        return np.arange(self.num_slots - self.query_len, self.num_slots, dtype=np.int32)
+
+    @property
+    def chunk_slots(self) -> np.ndarray:
+        """Slots of reused chunk tokens (the candidates for recomputation), in order."""
+        return np.arange(self.prefix_len, self.num_slots - self.query_len, dtype=np.int32)
+
+    def batch_arrays(self):
+        """`(tokens int32[1, S], positions int32[1, S], valid bool[1, S])` as device arrays."""
+        return (jnp.asarray(self.tokens[None]), jnp.asarray(self.positions[None]),
+                jnp.ones((1, self.num_slots), bool))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "form", "stored_long_rope", "long_rope", "query_len"))
+def _place(keys, values, old_positions, new_positions, *, cfg: ModelConfig, form: str, stored_long_rope: bool,
+           long_rope: bool, query_len: int):
+    """Concatenate entries' `[L, T_i, H, D]` K/V, move keys to `new_positions`, add `query_len` zero slots.
+    Returns per-layer tuples of `[1, S, H, D]`."""
+    k = jnp.concatenate(keys, axis=1)
+    v = jnp.concatenate(values, axis=1)
+    if form == "pre_rope":
+        k = rotate_keys(k, new_positions[None], cfg, long_rope)
+    else:
+        k = shift_keys(k, (new_positions - old_positions)[None], cfg, stored_long_rope, long_rope)
+    pad = ((0, 0), (0, query_len), (0, 0), (0, 0))
+    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+    return tuple(k[l][None] for l in range(k.shape[0])), tuple(v[l][None] for l in range(v.shape[0]))
+
+
+def assemble(
+    model: Model,
+    store: ChunkStore,
+    prefix_tokens,
+    chunk_token_lists: Sequence,
+    query_tokens,
+    *,
+    parallel_positions: bool = False,
+    max_new_tokens: int = 16,
+    long_rope: bool | None = None,
+) -> AssembledContext:
+    """Assemble `prefix + chunks` from `store` (encoding chunks it lacks), followed by `query_tokens`.
+
+    Positions are contiguous (chunk i starts where chunk i - 1 ended); with `parallel_positions` every
+    chunk keeps its encoding positions P..P+T_i-1 and the query follows the longest (APE-style parallel
+    encoding). `long_rope` defaults to LongRoPE's rule for the assembled length plus `max_new_tokens`.
+    Raises `ChunkMismatchError` if the store belongs to another model or tokenizer, `RopeShiftError` if
+    rotated keys would cross LongRoPE's factor switch.
+    """
+    check_fingerprint(store.fingerprint, model_fingerprint(model), "this chunk store")
+    query = np.asarray(query_tokens, np.int32).reshape(-1)
+    if query.size < 1:
+        raise ValueError("query_tokens is empty: the query is what the forward computes, give at least one token")
+    query_len = int(query.size)
+    if not chunk_token_lists:
+        raise ValueError("chunk_token_lists is empty: give at least one chunk")
+    prefix = store.prefix(prefix_tokens)
+    chunks = store.chunks(prefix_tokens, chunk_token_lists)
+    entries: list[ChunkKV] = [prefix, *chunks]
+    for entry in entries:
+        check_fingerprint(entry.fingerprint, store.fingerprint, f"chunk {entry.key.hex()[:12]}")
+    P = prefix.num_tokens
+    spans, old, new, cursor = [], [np.arange(P)], [np.arange(P)], P
+    for entry in chunks:
+        old.append(entry.start + np.arange(entry.num_tokens))
+        new.append((P if parallel_positions else cursor) + np.arange(entry.num_tokens))
+        spans.append((cursor, cursor + entry.num_tokens))
+        cursor += entry.num_tokens
+    context_positions = np.concatenate(new).astype(np.int32)
+    query_start = int(context_positions.max()) + 1
+    positions = np.concatenate([context_positions, query_start + np.arange(query_len)]).astype(np.int32)
+    if long_rope is None:
+        long_rope = uses_long_factors(model.cfg, int(positions.max()) + 1 + max_new_tokens)
+    if store.form == "rotated":
+        check_shiftable(model.cfg, store.long_rope, long_rope)
+    k, v = _place(
+        tuple(e.k for e in entries), tuple(e.v for e in entries), jnp.asarray(np.concatenate(old), jnp.int32),
+        jnp.asarray(context_positions), cfg=model.cfg, form=store.form, stored_long_rope=store.long_rope,
+        long_rope=bool(long_rope), query_len=query_len,
+    )
+    tokens = np.concatenate([e.tokens for e in entries] + [query])
+    return AssembledContext(tokens, positions, k, v, P, spans, query_len, bool(long_rope))

@@ -1,0 +1,56 @@
+"""Write per-layer K/V arrays into a fresh paged `KVState`, so decoding continues with `kvjax.decode_step`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.config import ModelConfig
+from kvjax.state import KVState, allocate_for_append, append_to_layer, init_state, overflow_error, pages_for
+
+CAPACITY_BUCKET = 256  # as kvjax.generation: nearby lengths share compiles
+
+
+def default_capacity(num_tokens: int, max_new_tokens: int) -> int:
+    """Tokens per (layer, head) for a context of `num_tokens` plus `max_new_tokens`, rounded up to 256."""
+    return -(-(num_tokens + max_new_tokens) // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "page_size", "long_rope"))
+def _write(k_layers, v_layers, positions, num_tokens, *, cfg: ModelConfig, capacity: int, page_size: int, long_rope: bool):
+    B, S = positions.shape
+    state = init_state(cfg, B, capacity, page_size, dtype=k_layers[0].dtype, long_rope=long_rope)
+    state, ok = allocate_for_append(state, num_tokens, S)
+    num_new = jnp.where(ok, num_tokens, 0)
+    for layer in range(cfg.num_layers):
+        state = append_to_layer(state, layer, k_layers[layer], v_layers[layer], positions, num_new)
+    real = jnp.arange(S)[None, :] < num_tokens[:, None]
+    next_position = jnp.max(jnp.where(real, positions, -1), axis=1) + 1
+    return state.replace(next_position=next_position.astype(jnp.int32))
+
+
+def state_from_kv(
+    cfg: ModelConfig, k_layers, v_layers, positions, num_tokens=None, *, capacity: int, page_size: int = 16,
+    long_rope: bool = False,
+) -> KVState:
+    """A paged state holding, for every layer, `k_layers[l], v_layers[l] [B, S, H, D]` (post-RoPE) at
+    `positions int32[B, S]`; the first `num_tokens int32[B]` slots of each row (default all S) are real.
+
+    `next_position` is one past each row's largest position. Raises
+    `CacheCapacityError` when `capacity` (tokens per layer and head) cannot hold them.
+    """
+    positions = jnp.asarray(positions, jnp.int32)
+    B, S = positions.shape
+    if len(k_layers) != cfg.num_layers or len(v_layers) != cfg.num_layers:
+        raise ValueError(f"expected K/V for {cfg.num_layers} layers, got {len(k_layers)} and {len(v_layers)}")
+    if S > pages_for(capacity, page_size) * page_size:
+        raise ValueError(f"capacity {capacity} cannot hold the {S} slots given; pass a larger capacity")
+    num_tokens = jnp.full((B,), S, jnp.int32) if num_tokens is None else jnp.asarray(num_tokens, jnp.int32)
+    state = _write(tuple(k_layers), tuple(v_layers), positions, num_tokens, cfg=cfg, capacity=capacity,
+                   page_size=page_size, long_rope=long_rope)
+    error = overflow_error(state)
+    if error is not None:
+        raise error
+    return state

@@ -1,0 +1,184 @@
+"""Chunk KV cache store: each chunk's K/V computed once by the main model, keyed by a content hash.
+
+A chunk is encoded after the shared prefix (the system prompt, whose first tokens are the attention sink),
+at positions P..P+T-1, and only the chunk's own K/V are kept; the prefix is stored once. Keys are kept in
+one of two forms, fixed per store:
+
+- `pre_rope` (default): keys before RoPE. Assembly rotates them at their new positions exactly as the
+  forward would; works for every RoPE type and either LongRoPE factor set.
+- `rotated`: keys after RoPE at their encoding positions. Assembly re-rotates them by the position delta
+  in float32 (`rope_shift.shift_keys`); refused across LongRoPE's short/long switch.
+
+Entries carry the fingerprint of the model and tokenizer that made them; using them with another raises
+`ChunkMismatchError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.loading import Model
+from kvjax.rag.encode import encode_kv
+from kvjax.serving.hashing import ROOT_HASH, hash_block
+
+FORMS = ("pre_rope", "rotated")
+
+
+class ChunkMismatchError(ValueError):
+    """A chunk cache was made by another model or tokenizer than the one using it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """What a chunk cache depends on besides its tokens: the model's weights and config, the tokenizer."""
+
+    model: str
+    tokenizer: str
+
+
+def model_fingerprint(model: Model) -> Fingerprint:
+    """Hash of the config, dtype and parameters (every leaf's shape, first 64K values and sum), and of the
+    tokenizer (its serialized vocabulary and rules; the vocabulary size when there is none). Cached on the
+    model object for its current parameters and tokenizer."""
+    cached = getattr(model, "_rag_fingerprint", None)
+    if cached is not None and cached[0] is model.params and cached[1] is model.tokenizer:
+        return cached[2]
+    fingerprint = _compute_fingerprint(model)
+    model._rag_fingerprint = (model.params, model.tokenizer, fingerprint)
+    return fingerprint
+
+
+def _compute_fingerprint(model: Model) -> Fingerprint:
+    digest = hashlib.blake2b(repr((model.cfg, jnp.dtype(model.dtype).name)).encode(), digest_size=16)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(model.params):
+        flat = jnp.ravel(leaf)
+        digest.update(jax.tree_util.keystr(path).encode() + repr(leaf.shape).encode())
+        digest.update(np.asarray(flat[:65536], np.float32).tobytes())
+        digest.update(np.float64(jnp.sum(flat.astype(jnp.float32))).tobytes())
+    return Fingerprint(model=digest.hexdigest(), tokenizer=tokenizer_fingerprint(model.tokenizer, model.cfg.vocab_size))
+
+
+def tokenizer_fingerprint(tokenizer, vocab_size: int) -> str:
+    if tokenizer is None:
+        text = f"no tokenizer, vocab {vocab_size}"
+    elif getattr(tokenizer, "backend_tokenizer", None) is not None:
+        text = tokenizer.backend_tokenizer.to_str()
+    else:
+        text = repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def check_fingerprint(have: Fingerprint, want: Fingerprint, what: str) -> None:
+    """Raise `ChunkMismatchError` naming what differs (tokenizer, model weights or both)."""
+    if have == want:
+        return
+    parts = []
+    if have.tokenizer != want.tokenizer:
+        parts.append(f"another tokenizer (tokenizer fingerprint {have.tokenizer[:12]}, expected {want.tokenizer[:12]})")
+    if have.model != want.model:
+        parts.append(f"another model (model fingerprint {have.model[:12]}, expected {want.model[:12]})")
+    raise ChunkMismatchError(f"{what} was encoded by {' and by '.join(parts)}; re-encode it with this model")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkKV:
+    """One cached sequence. L = layers, T = tokens, H = kv heads, D = head dim."""
+
+    key: bytes  # content hash (prefix, tokens, form, factor set, fingerprint)
+    tokens: np.ndarray  # int32[T]
+    k: jax.Array  # [L, T, H, D]  pre-RoPE, or post-RoPE at positions start..start+T-1 (see form)
+    v: jax.Array  # [L, T, H, D]
+    start: int  # encoding position of tokens[0]
+    form: str  # "pre_rope" or "rotated"
+    long_rope: bool  # LongRoPE factor set used when encoding
+    fingerprint: Fingerprint
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def _as_tokens(tokens, name: str) -> np.ndarray:
+    array = np.asarray(tokens)
+    if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} must be a non-empty 1-D list of token ids, got shape {array.shape}, dtype {array.dtype}")
+    return array.astype(np.int32)
+
+
+class ChunkStore:
+    """Content-hash keyed chunk caches of one model. `form` is "pre_rope" or "rotated"; `long_rope` is the
+    LongRoPE factor set chunks are encoded with (match it to the assembled length; ignored by other types)."""
+
+    def __init__(self, model: Model, form: str = "pre_rope", long_rope: bool = False):
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        self.model, self.form, self.long_rope = model, form, bool(long_rope)
+        self.fingerprint = model_fingerprint(model)
+        self.entries: dict[bytes, ChunkKV] = {}
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def key(self, prefix_tokens, tokens) -> bytes:
+        """Content hash of `tokens` encoded after `prefix_tokens` (`None` for the prefix entry itself)."""
+        extra = f"{self.form}|{self.long_rope}|{self.fingerprint.model}|{self.fingerprint.tokenizer}".encode()
+        parent = hash_block(ROOT_HASH, [int(t) for t in prefix_tokens], extra)
+        return parent if tokens is None else hash_block(parent, [int(t) for t in tokens], extra)
+
+    def put(self, entry: ChunkKV) -> None:
+        """Insert an entry made elsewhere; it must come from this model, tokenizer, form and factor set."""
+        check_fingerprint(entry.fingerprint, self.fingerprint, f"chunk {entry.key.hex()[:12]}")
+        if (entry.form, entry.long_rope) != (self.form, self.long_rope):
+            raise ValueError(
+                f"chunk {entry.key.hex()[:12]} is stored as {entry.form} with long_rope={entry.long_rope}; this "
+                f"store holds {self.form} with long_rope={self.long_rope}"
+            )
+        self.entries[entry.key] = entry
+
+    def prefix(self, prefix_tokens) -> ChunkKV:
+        """The shared prefix's entry (encoded on first use), at positions 0..P-1."""
+        prefix_tokens = _as_tokens(prefix_tokens, "prefix_tokens")
+        key = self.key(prefix_tokens, None)
+        if key not in self.entries:
+            self.misses += 1
+            k_pre, k, v = self._encode(prefix_tokens[None, :])
+            self.entries[key] = self._entry(key, prefix_tokens, k_pre[:, 0], k[:, 0], v[:, 0], 0)
+        else:
+            self.hits += 1
+        return self.entries[key]
+
+    def chunks(self, prefix_tokens, chunk_token_lists: Sequence) -> list[ChunkKV]:
+        """Entries of each chunk encoded after `prefix_tokens`, encoding the missing ones (chunks of equal
+        length in one batched forward)."""
+        prefix_tokens = _as_tokens(prefix_tokens, "prefix_tokens")
+        chunks = [_as_tokens(c, f"chunk {i}") for i, c in enumerate(chunk_token_lists)]
+        keys = [self.key(prefix_tokens, c) for c in chunks]
+        missing: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            if key in self.entries or any(keys[j] == key for group in missing.values() for j in group):
+                continue
+            missing.setdefault(len(chunks[i]), []).append(i)
+        self.misses += sum(len(g) for g in missing.values())
+        self.hits += len(chunks) - sum(len(g) for g in missing.values())
+        P = len(prefix_tokens)
+        for group in missing.values():
+            batch = np.stack([np.concatenate([prefix_tokens, chunks[i]]) for i in group])
+            k_pre, k, v = self._encode(batch)
+            for row, i in enumerate(group):
+                self.entries[keys[i]] = self._entry(keys[i], chunks[i], k_pre[:, row, P:], k[:, row, P:], v[:, row, P:], P)
+        return [self.entries[key] for key in keys]
+
+    def _encode(self, tokens: np.ndarray):
+        m = self.model
+        return encode_kv(m.params, jnp.asarray(tokens), cfg=m.cfg, dtype=m.dtype, long_rope=self.long_rope)
+
+    def _entry(self, key, tokens, k_pre, k, v, start) -> ChunkKV:
+        keys = k_pre if self.form == "pre_rope" else k
+        return ChunkKV(key, tokens, keys, v, start, self.form, self.long_rope, self.fingerprint)
