@@ -96,6 +96,7 @@ BENCHMARKS = {
     "decode": "eval.bench_decode", "policies": "eval.bench_policies", "attention": "eval.bench_attention",
     "serving": "eval.bench_serving", "memory": "eval.bench_memory", "sweep": "eval.sweep",
     "cacheclip": "eval.bench_cacheclip", "model-accuracy": "eval.model_accuracy",
+    "locret-quality": "eval.locret_quality",
 }
 TRAINERS = {"locret": "train.locret", "default-model": "train.train_default_model"}
 EVAL_TASKS = ("passkey", "multikey", "perplexity", "longbench")

@@ -87,8 +87,11 @@ def new_window(cfg: ModelConfig, batch: int, size: int, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "policy"), donate_argnames=("state", "window"))
-def _append_step(params, state: KVState, window, tokens, num_new, last_logits, *, cfg: ModelConfig, dtype, policy: Policy):
+def _append_step(
+    params, state: KVState, window, tokens, num_new, last_logits, policy_params=None, *, cfg: ModelConfig, dtype, policy: Policy
+):
     """Append `tokens int32[B, C]` (the first `num_new[b]` of each row are real) and attend.
+    `policy_params` is `policy.device_params()` (arrays its hooks read, e.g. Locret's heads).
 
     C = 1 is a decode step: the policy's page selection and decode-time eviction apply. Returns the state,
     the window carry and logits f32[B, V] at each row's last real token (`last_logits` where num_new is 0).
@@ -103,8 +106,9 @@ def _append_step(params, state: KVState, window, tokens, num_new, last_logits, *
     window_q = []
 
     def attend(layer, inputs, state):
-        state = append_to_layer(state, layer, inputs.k, inputs.v, inputs.positions, num_new)
         compressed = policy.compresses_layer(layer)
+        score = policy.append_scores(layer, inputs, policy_params) if compressed else None
+        state = append_to_layer(state, layer, inputs.k, inputs.v, inputs.positions, num_new, score=score)
         need_probs = compressed and (
             policy.accumulates_attention or (decoding and policy.evicts_while_decoding)
         )
@@ -149,13 +153,15 @@ def _append_step(params, state: KVState, window, tokens, num_new, last_logits, *
 @functools.partial(
     jax.jit, static_argnames=("num_layers", "policy", "keep_bound", "read_pages"), donate_argnames=("state",)
 )
-def _compress_step(state: KVState, window, *, num_layers: int, policy: Policy, keep_bound: int, read_pages: tuple):
-    """Apply the policy's keep sets to every compressed layer, then bound each layer's pages to `read_pages`."""
+def _compress_step(state: KVState, window, final=None, *, num_layers: int, policy: Policy, keep_bound: int, read_pages: tuple):
+    """Apply the policy's keep sets to every compressed layer, then bound each layer's pages to `read_pages`.
+    `final bool[B]` (per-chunk compression): whether this was each sequence's last prefill chunk."""
     TRACE_COUNTS[("compress_step", keep_bound)] += 1
     for layer in range(num_layers):
         if not policy.compresses_layer(layer):
             continue
         extra = {} if window is None else {"window_q": window["q"][layer], "window_pos": window["pos"]}
+        extra["final_chunk"] = final
         view = _layer_view(state, layer, num_layers, state.next_position, **extra)
         keep_slots, keep_count = policy.compress_layer(view, keep_bound)
         state = compact_layer(state, layer, keep_slots, keep_count)
@@ -270,31 +276,58 @@ def _prefill_rows(
     policy.validate(page_size)
     _warn_sliding_window(cfg, declared_length)
     lengths = np.array([len(r) for r in rows], np.int32)
-    B, longest = len(rows), int(lengths.max())
+    B = len(rows)
     slots_needed = max(policy.slots_needed(int(n), reserve_tokens, chunk_size) for n in lengths)
     if slots_needed > pages_for(capacity, page_size) * page_size:
         raise_capacity(slots_needed, capacity, page_size)
 
+    # Per-chunk compressors (Locret) compress after every chunk and append a tail without eviction; their
+    # compressed layers get pages for what they can hold at once (slots_needed), not for the prompt.
+    per_chunk = policy.compresses and policy.compresses_each_chunk
+    tails = np.array([policy.prefill_tail(int(n)) if per_chunk else 0 for n in lengths], np.int32)
+    num_pages = read_bound = None
+    if per_chunk:
+        full = pages_for(capacity, page_size)
+        bounded = min(full, pages_for(_bucketed(slots_needed), page_size))
+        read_bound = tuple(bounded if policy.compresses_layer(l) else full for l in range(cfg.num_layers))
+        num_pages = B * cfg.num_kv_heads * sum(read_bound)
     state = init_state(
-        cfg, B, capacity, page_size, dtype=model.dtype, long_rope=uses_long_factors(cfg, declared_length)
-    )
-    C = _chunk_size_for(longest, chunk_size)
-    num_chunks = -(-longest // C)
-    padded = np.zeros((B, num_chunks * C), np.int32)
-    for i, row in enumerate(rows):
-        padded[i, : len(row)] = row
+        cfg, B, capacity, page_size, num_pages=num_pages, dtype=model.dtype,
+        long_rope=uses_long_factors(cfg, declared_length),
+    ).replace(read_pages=read_bound)
+    keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths - tails)
+    policy_params = policy.device_params()
+
+    def run_chunks(state, window, logits, part: list, compress: bool):
+        part_len = np.array([len(r) for r in part], np.int32)
+        C = _chunk_size_for(int(part_len.max()), chunk_size)
+        num_chunks = -(-int(part_len.max()) // C)
+        padded = np.zeros((B, num_chunks * C), np.int32)
+        for i, row in enumerate(part):
+            padded[i, : len(row)] = row
+        last_chunk = -(-part_len // C) - 1
+        for i in range(num_chunks):
+            num_new = np.clip(part_len - i * C, 0, C).astype(np.int32)
+            state, window, logits = _append_step(
+                model.params, state, window, jnp.asarray(padded[:, i * C : (i + 1) * C]), jnp.asarray(num_new),
+                logits, policy_params, cfg=cfg, dtype=model.dtype, policy=policy,
+            )
+            if compress:
+                state = _compress_step(
+                    state, window, jnp.asarray(i >= last_chunk), num_layers=cfg.num_layers, policy=policy,
+                    keep_bound=keep_bound, read_pages=read_bound,
+                )
+        return state, window, logits
+
     logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
     window = new_window(cfg, B, policy.window_size, model.dtype) if policy.compresses else None
-    for i in range(num_chunks):
-        num_new = np.clip(lengths - i * C, 0, C).astype(np.int32)
-        state, window, logits = _append_step(
-            model.params, state, window, jnp.asarray(padded[:, i * C : (i + 1) * C]), jnp.asarray(num_new),
-            logits, cfg=cfg, dtype=model.dtype, policy=policy,
-        )
+    state, window, logits = run_chunks(state, window, logits, [r[: len(r) - t] for r, t in zip(rows, tails)], per_chunk)
+    if tails.any():
+        state, window, logits = run_chunks(state, window, logits, [r[len(r) - t :] for r, t in zip(rows, tails)], False)
     error = overflow_error(state)
     if error is not None:
         raise error
-    if policy.compresses:
+    if policy.compresses and not per_chunk:
         keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths)
         grow = 1 if policy.evicts_while_decoding else reserve_tokens
         bounded = min(state.max_pages, pages_for(_bucketed(keep_bound + grow), page_size))
@@ -353,7 +386,8 @@ def _decode(model: Model, state: KVState, tokens: jax.Array, policy: Policy) -> 
     B = tokens.shape[0]
     state, _, logits = _append_step(
         model.params, state, None, tokens[:, None], jnp.ones((B,), jnp.int32),
-        jnp.zeros((B, model.cfg.vocab_size), jnp.float32), cfg=model.cfg, dtype=model.dtype, policy=policy,
+        jnp.zeros((B, model.cfg.vocab_size), jnp.float32), policy.device_params(), cfg=model.cfg, dtype=model.dtype,
+        policy=policy,
     )
     return logits, state
 

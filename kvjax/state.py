@@ -173,10 +173,12 @@ def allocate_for_append(state: KVState, num_new: jax.Array, max_new_tokens: int)
 
 
 def append_to_layer(
-    state: KVState, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array, num_new: jax.Array
+    state: KVState, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array, num_new: jax.Array,
+    score: jax.Array | None = None,
 ) -> KVState:
     """Write the first `num_new[b]` tokens of `k, v [B, C, H, D]` (at `positions int32[B, C]`) after each
-    head's last slot of `layer`, and keep `kmin`/`kmax` exact. Pages must have been allocated."""
+    head's last slot of `layer`, and keep `kmin`/`kmax` exact. Pages must have been allocated. `score
+    f32[B, C, H]`, when given, becomes the new slots' `slot_score` (Locret)."""
     ps, N = state.page_size, state.num_pages
     B, C, H, _ = k.shape
     lengths = state.lengths[layer]  # [B, H]
@@ -193,6 +195,8 @@ def append_to_layer(
     page = jnp.where(valid & (page >= 0), page, N)  # [B, C, H]
     offset = slot % ps
     k = k.astype(state.k_pages.dtype)
+    if score is not None:
+        state = state.replace(slot_score=state.slot_score.at[page, offset].set(score.astype(jnp.float32), mode="drop"))
     return state.replace(
         k_pages=state.k_pages.at[page, offset].set(k, mode="drop"),
         v_pages=state.v_pages.at[page, offset].set(v.astype(state.v_pages.dtype), mode="drop"),

@@ -11,8 +11,9 @@ from kvjax.policies.streaming import StreamingLLM
 from kvjax.policies.quest import Quest
 from kvjax.policies.quest_static import QuestStatic
 from kvjax.policies.compose import Compose
+from kvjax.policies.locret import Locret
 
 __all__ = [
-    "POLICY_REGISTRY", "AdaPyramid", "AdaSnapKV", "Compose", "Quest", "QuestStatic", "FullPolicy", "H2O", "LayerView", "Policy", "PyramidKV",
+    "POLICY_REGISTRY", "AdaPyramid", "AdaSnapKV", "Compose", "Quest", "QuestStatic", "FullPolicy", "H2O", "LayerView", "Locret", "Policy", "PyramidKV",
     "ScoredEviction", "SnapKV", "StreamingLLM", "TOVA", "make_policy", "register_policy",
 ]

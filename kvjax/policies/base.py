@@ -2,8 +2,11 @@
 
 A policy is a frozen, hashable dataclass (static under `jit`). The generation step calls its hooks:
 
-- `compress_layer` once after prefill (for methods with `compresses`): choose which slots each
-  (sequence, kv-head) keeps; the cache is compacted and the freed pages return to the pool.
+- `compress_layer` once after prefill (for methods with `compresses`; after every prefill chunk for
+  methods that also have `compresses_each_chunk`, Locret): choose which slots each (sequence, kv-head)
+  keeps; the cache is compacted and the freed pages return to the pool.
+- `append_scores` as a chunk is appended: a per-token score stored in `slot_score` (Locret's heads),
+  computed with the arrays `device_params` returns (passed to the jitted step as an argument).
 - `select_pages` before each decode attention (Quest): which logical pages each head reads.
 - `decode_scores` after each decode step (methods with `evicts_while_decoding`): a head over its
   decode budget drops its lowest-scoring slot.
@@ -52,6 +55,7 @@ class LayerView(NamedTuple):
     window_q: Any = None  # [B, w, Hq, D]
     window_pos: Any = None  # int32[B, w], -1 for rows before the prompt start
     probs: Any = None  # f32[B, H, G, S] decode attention of the step's query
+    final_chunk: Any = None  # bool[B] per-chunk compression: this is each sequence's last prefill chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +69,8 @@ class Policy:
     compresses: ClassVar[bool] = False  # compress_layer after prefill
     evicts_while_decoding: ClassVar[bool] = False  # decode_scores after each decode step
     accumulates_attention: ClassVar[bool] = False  # add attention probabilities into slot_score (H2O)
+    compresses_each_chunk: ClassVar[bool] = False  # compress after every prefill chunk (Locret): the pool
+    #   is sized from `slots_needed`, so memory stays O(budget + chunk)
 
     @property
     def window_size(self) -> int:
@@ -91,10 +97,23 @@ class Policy:
     def compresses_layer(self, layer: int) -> bool:
         return layer >= self.dense_layers
 
+    def prefill_tail(self, prompt_len: int) -> int:
+        """Last prompt tokens appended after the per-chunk compressions, without eviction (Locret's n_loc)."""
+        return 0
+
+    def device_params(self) -> Any:
+        """Arrays the hooks need (a pytree, or None), passed to the jitted step as an argument."""
+        return None
+
     # ---- hooks (called under jit)
     def compress_layer(self, view: LayerView, keep_bound: int) -> tuple[jax.Array, jax.Array]:
         """(keep_slots int32[B, H, keep_bound], keep_count int32[B, H]) for one layer."""
         raise NotImplementedError
+
+    def append_scores(self, layer: int, inputs: Any, params: Any) -> Any:
+        """f32[B, C, H] scores of the chunk's tokens, stored in `slot_score` as they are appended (or None).
+        `inputs` is the layer's `AttentionInputs`, `params` what `device_params` returned."""
+        return None
 
     def select_pages(self, layer: int, q: jax.Array, state: Any) -> Any:
         """Logical pages each head reads at a decode step, `int32[B, Hq or H, K]` (-1 = none), or None for all."""

@@ -1,0 +1,169 @@
+"""Peak resident memory against context length: Locret (fixed budget, per-chunk eviction) vs the full cache.
+
+    python -m eval.bench_memory                       # 8K..64K full, 8K..128K Locret
+    python -m eval.bench_memory --contexts 8192 16384 --locret-only-contexts 131072
+
+Each point is its own process (a fresh `python -m eval.bench_memory --point ...`) that builds a random
+model, prefills one prompt of the given length (chunked) and decodes a few tokens, then reports its peak
+RSS (`VmHWM`) and its RSS before the prefill. The model is small except in its KV per token (few layers,
+many wide kv heads, float32 cache), so the full cache dominates the process as the context grows; Locret
+keeps `token_budget` slots per head and its pool is sized for budget + one chunk. Writes
+eval/results/memory/bench_memory.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from eval._report import machine_info, markdown_table, write_outputs
+
+OUT_DIR = os.path.join(os.path.dirname(__file__), "results", "memory")
+# Few layers and a small MLP keep compute low; 4 kv heads of 128 in float32 give 4 KiB of K+V per token
+# per layer, so a 64K-token full cache is 512 MiB against a ~300 MiB JAX process.
+MODEL = dict(
+    model_type="llama", vocab_size=256, hidden_size=512, intermediate_size=512, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, head_dim=128, max_position_embeddings=1 << 20,
+    rope_theta=500000.0, tie_word_embeddings=True,
+)
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def run_point(policy_name: str, context: int, budget: int, chunk: int, new_tokens: int) -> dict:
+    """One measurement in this process (call it in a fresh one)."""
+    import jax
+    import numpy as np
+
+    import kvjax
+    from kvjax.compaction import memory_report
+    from kvjax.config import ModelConfig
+    from kvjax.loading import Model, init_params
+    from kvjax.locret import HeadsConfig, init_heads
+
+    cfg = ModelConfig.from_hf_dict(MODEL)
+    model = Model(cfg, init_params(cfg, seed=0))
+    if policy_name == "locret":
+        heads = init_heads(HeadsConfig.for_model(cfg), seed=0)
+        policy = kvjax.make_policy("locret", token_budget=budget, stabilizers=budget // 4, local_tail=100, heads=heads)
+    else:
+        policy = kvjax.make_policy("full")
+    tokens = np.random.default_rng(0).integers(4, cfg.vocab_size, (1, context)).astype(np.int32)
+    jax.block_until_ready(model.params)
+    rss_before = _rss_kib("VmRSS")
+    began = time.perf_counter()
+    state, logits = kvjax.prefill(model, tokens, policy=policy, chunk_size=chunk, max_new_tokens=new_tokens)
+    token = np.asarray(logits.argmax(-1))
+    for _ in range(new_tokens):
+        logits, state = kvjax.decode_step(model, state, token, policy=policy)
+        token = np.asarray(logits.argmax(-1))
+    seconds = time.perf_counter() - began
+    report = memory_report(state)
+    return {
+        "policy": policy_name,
+        "context": context,
+        "peak_rss_mib": _rss_kib("VmHWM") / 1024,
+        "rss_before_prefill_mib": rss_before / 1024,
+        "pool_mib": (state.k_pages.nbytes + state.v_pages.nbytes) / 2**20,
+        "kv_in_use_mib": report["bytes_in_use"] / 2**20,
+        "full_cache_kv_mib": report["bytes_full_cache"] / 2**20,
+        "seconds": seconds,
+    }
+
+
+def measure(policy_name: str, context: int, args) -> dict:
+    command = [
+        sys.executable, "-m", "eval.bench_memory", "--point", policy_name, str(context), "--budget", str(args.budget),
+        "--chunk", str(args.chunk), "--new-tokens", str(args.new_tokens),
+    ]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.point_timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"policy": policy_name, "context": context, "error": f"timed out after {args.point_timeout} s"}
+    if done.returncode != 0:
+        return {"policy": policy_name, "context": context, "error": done.stderr.strip().splitlines()[-1:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def plot(results: list, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, style in (("full", "o-"), ("locret", "s-")):
+        points = sorted((r["context"], r["peak_rss_mib"]) for r in results if r["policy"] == name and "error" not in r)
+        if points:
+            ax.plot([p[0] / 1024 for p in points], [p[1] for p in points], style, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (K tokens)")
+    ax.set_ylabel("peak RSS (MiB)")
+    ax.set_title("Peak resident memory of one prefill + decode")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768, 65536], help="both policies")
+    p.add_argument("--locret-only-contexts", type=int, nargs="*", default=[131072], help="Locret only (cheap)")
+    p.add_argument("--budget", type=int, default=2048, help="Locret token_budget (slots per head)")
+    p.add_argument("--chunk", type=int, default=1024, help="prefill chunk size")
+    p.add_argument("--new-tokens", type=int, default=4)
+    p.add_argument("--point-timeout", type=int, default=600, help="seconds per point")
+    p.add_argument("--out", default=OUT_DIR)
+    p.add_argument("--point", nargs=2, metavar=("POLICY", "CONTEXT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.point:
+        print(json.dumps(run_point(args.point[0], int(args.point[1]), args.budget, args.chunk, args.new_tokens)))
+        return {}
+
+    from tqdm import tqdm
+
+    jobs = [(name, c) for c in args.contexts for name in ("locret", "full")]
+    jobs += [("locret", c) for c in args.locret_only_contexts]
+    results = []
+    for name, context in tqdm(jobs, desc="points", unit="point"):
+        results.append(measure(name, context, args))
+        tqdm.write(json.dumps(results[-1]))
+    payload = {
+        "machine": machine_info(),
+        "model": MODEL,
+        "settings": {"budget": args.budget, "chunk": args.chunk, "new_tokens": args.new_tokens, "local_tail": 100},
+        "results": results,
+    }
+    print(render(payload, args.out))
+    return payload
+
+
+def render(payload: dict, out_dir: str) -> str:
+    """Write the JSON, the Markdown table and the plot of `payload`; return the table."""
+    headers = ["policy", "context", "peak RSS MiB", "RSS before prefill MiB", "KV pool MiB", "KV in use MiB", "seconds"]
+    keys = ("peak_rss_mib", "rss_before_prefill_mib", "pool_mib", "kv_in_use_mib", "seconds")
+    rows = [
+        [r["policy"], r["context"], *(int(round(r[k])) for k in keys)]
+        if "error" not in r else [r["policy"], r["context"], r["error"], "", "", "", ""]
+        for r in payload["results"]
+    ]
+    table = markdown_table(headers, rows)
+    write_outputs(out_dir, "bench_memory", payload, table)
+    plot(payload["results"], os.path.join(out_dir, "bench_memory.png"))
+    return table
+
+
+if __name__ == "__main__":
+    main()

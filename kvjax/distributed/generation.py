@@ -1,0 +1,375 @@
+"""Generation over a ("data", "model") mesh: the single-device step, with the paged KV work per shard.
+
+The model's dense parts (projections, MLP, norms, logits) run under `jit` on parameters sharded by
+`kvjax.distributed.mesh`; XLA's SPMD partitioner places them and adds the all-reduces. Everything that
+touches the paged KV state (allocation, appends, attention over pages, compaction, decode-time eviction)
+runs per shard under `shard_map`, on the unmodified single-device functions, over the shard's own pool:
+no K/V page ever crosses devices. A policy's *decisions* (`compress_layer`, `decode_scores`) are taken on
+the global `LayerView` (shard outputs seen as one `[B, H, ...]` array), so methods that look across heads
+(TOVA's head average, Ada-KV's per-layer split) choose exactly what they choose on one device; only
+their small score arrays move. Page selection (`select_pages`, Quest) is per head and runs per shard.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from kvjax.attention import blocked_paged_attention, dense_decode_attention, paged_attention, sparse_decode_attention
+from kvjax.compaction import compact_layer, evict_one_slot
+from kvjax.config import ModelConfig
+from kvjax.distributed.mesh import AXES, DATA, ShardingPlan, plan_for, shard_params
+from kvjax.distributed.state import head_axis, init_sharded_state, per_shard, sharded_overflow_error, state_spec
+from kvjax.generation import (
+    _bucketed,
+    _chunk_size_for,
+    _keep_last,
+    _layer_view,
+    _policy_or_full,
+    _sample,
+    _warn_sliding_window,
+    as_token_lists,
+    new_window,
+    raise_capacity,
+)
+from kvjax.loading import Model
+from kvjax.models import CausalLM
+from kvjax.policies import LayerView, Policy
+from kvjax.rope import rope_frequencies, uses_long_factors
+from kvjax.sampling import validate_sampling
+from kvjax.state import KVState, add_slot_scores, allocate_for_append, append_to_layer, pages_for
+
+# Traces (compiles) of the sharded steps, by name and input shape, as kvjax.generation.TRACE_COUNTS.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+# KVState fields allocate_for_append changes besides `overflow` (restored when another shard failed)
+_ALLOCATION_FIELDS = ("page_table", "num_free", "refcount", "kmin", "kmax", "slot_pos", "slot_score")
+_VIEW_FIELDS = ("k", "slot_pos", "valid", "slot_score", "lengths")
+
+
+def _view_specs(heads, with_probs: bool) -> dict:
+    """Specs of a LayerView's arrays, batch over "data" and kv heads over `heads`."""
+    specs = {"k": P(DATA, heads, None, None), "slot_pos": P(DATA, heads, None), "valid": P(DATA, heads, None),
+             "slot_score": P(DATA, heads, None), "lengths": P(DATA, heads)}
+    if with_probs:
+        specs["probs"] = P(DATA, heads, None, None)
+    return specs
+
+
+def _view_parts(state: KVState, layer: int, num_layers: int, next_position, **extra) -> dict:
+    view = _layer_view(state, layer, num_layers, next_position, **extra)
+    return {name: getattr(view, name) for name in _VIEW_FIELDS + tuple(extra)}
+
+
+def _with_next_position(state: KVState, seen: jax.Array) -> KVState:
+    Sd, Sm, b = state.next_position.shape
+    return state.replace(next_position=jnp.broadcast_to(seen.reshape(Sd, 1, b), (Sd, Sm, b)))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "dtype", "policy", "mesh", "plan"), donate_argnames=("state", "window")
+)
+def _sharded_append_step(
+    params, state: KVState, window, tokens, num_new, last_logits, policy_params=None, *, cfg: ModelConfig, dtype,
+    policy: Policy, mesh: Mesh, plan: ShardingPlan,
+):
+    """`kvjax.generation._append_step` on a stacked state (see kvjax.distributed.state): same arguments
+    and results, `tokens int32[B, C]` with B a multiple of the data axis."""
+    B, C = tokens.shape
+    decoding = C == 1
+    TRACE_COUNTS[("append_step", B, C)] += 1
+    S, H = state_spec(plan), head_axis(plan)
+    rows, heads4 = P(DATA), P(DATA, None, H, None)
+    positions = state.next_position[:, 0].reshape(B)[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+
+    def allocate(st, n):
+        new, ok = allocate_for_append(st, n, C)
+        # one step appends everywhere or nowhere, as on one device: a shard that got its pages gives them
+        # back when any other shard could not
+        ok_all = jax.lax.pmin(ok.astype(jnp.int32), AXES) > 0
+        restored = {f: jnp.where(ok_all, getattr(new, f), getattr(st, f)) for f in _ALLOCATION_FIELDS}
+        return new.replace(**restored), jnp.where(ok_all, n, 0)
+
+    state, num_new = per_shard(allocate, mesh, (S, rows), (S, rows))(state, num_new)
+    seen = state.next_position[:, 0].reshape(B) + num_new
+    window_q = []
+
+    def attend(layer, inputs, state):
+        compressed = policy.compresses_layer(layer)
+        need_probs = compressed and (policy.accumulates_attention or (decoding and policy.evicts_while_decoding))
+        evicting = need_probs and decoding and policy.evicts_while_decoding
+        # a per-token score (Locret's heads read every head's features): computed globally, stored per shard
+        score = policy.append_scores(layer, inputs, policy_params) if compressed else None
+
+        def local(st, q, k, v, pos, n, next_position, *score):
+            st = append_to_layer(st, layer, k, v, pos, n, score=score[0] if score else None)
+            selected = policy.select_pages(layer, q[:, 0], st) if decoding else None
+            if selected is not None:
+                out = sparse_decode_attention(q, st, layer, selected)
+            elif decoding and not need_probs:
+                out = dense_decode_attention(q, st, layer)
+            elif not need_probs:
+                out = blocked_paged_attention(q, pos, st, layer)
+            else:
+                out = paged_attention(q, pos, st, layer, return_probs=True)
+            parts = {}
+            if need_probs:
+                out, probs = out  # [b, h, G, T, S]
+                real = (jnp.arange(C)[None, :] < n[:, None])[:, None, None, :, None]
+                probs = jnp.where(real, probs, 0.0)
+                if policy.accumulates_attention:
+                    st = add_slot_scores(st, layer, probs.sum(axis=(2, 3)))
+                if evicting:
+                    parts = _view_parts(st, layer, cfg.num_layers, next_position, probs=probs[:, :, :, 0])
+            return st, out, parts
+
+        args = (state, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, seen) + (() if score is None else (score,))
+        in_specs = (S, heads4, heads4, heads4, P(DATA, None), rows, rows) + (() if score is None else (P(DATA, None, H),))
+        out_specs = (S, heads4, _view_specs(H, True) if evicting else {})
+        state, out, parts = per_shard(local, mesh, in_specs, out_specs)(*args)
+        if evicting:
+            view = LayerView(layer=layer, num_layers=cfg.num_layers, next_position=seen, **parts)
+            scores = jnp.where(view.valid, policy.decode_scores(view), jnp.inf)
+            victim = jnp.argmin(scores, axis=-1).astype(jnp.int32)  # [B, H]
+
+            def evict(st, victim, keys):
+                held = st.lengths[layer] - (st.hole[layer] >= 0)
+                return evict_one_slot(st, layer, victim, held > policy.decode_budget(0), keys)
+
+            state = per_shard(evict, mesh, (S, P(DATA, H), P(DATA, H, None, None)), S)(state, victim, view.k)
+        if window is not None:
+            window_q.append(_keep_last(window["q"][layer], inputs.q, num_new))
+        return out, state
+
+    module = CausalLM(cfg, dtype)
+    rope = rope_frequencies(cfg, state.long_rope)
+    hidden, state = module.apply({"params": params}, tokens, positions, rope, attend, state)
+    if window is not None:
+        window = {"q": jnp.stack(window_q), "pos": _keep_last(window["pos"], positions, num_new)}
+    last = jnp.clip(num_new - 1, 0, C - 1)
+    logits = module.apply({"params": params}, hidden[jnp.arange(B), last], method=CausalLM.logits)
+    logits = jnp.where((num_new > 0)[:, None], logits, last_logits)
+    state = jax.lax.with_sharding_constraint(_with_next_position(state, seen), NamedSharding(mesh, S))
+    return state, window, logits
+
+
+@functools.partial(
+    jax.jit, static_argnames=("num_layers", "policy", "keep_bound", "read_pages", "mesh", "plan"),
+    donate_argnames=("state",),
+)
+def _sharded_compress_step(
+    state: KVState, window, final=None, *, num_layers: int, policy: Policy, keep_bound: int, read_pages: tuple,
+    mesh: Mesh, plan: ShardingPlan,
+):
+    """`kvjax.generation._compress_step` on a stacked state: the policy sees the global view of each
+    layer; compaction runs per shard. `final bool[B]` as there (per-chunk compression)."""
+    TRACE_COUNTS[("compress_step", keep_bound)] += 1
+    S, H = state_spec(plan), head_axis(plan)
+    B = state.next_position.shape[0] * state.next_position.shape[2]
+    next_position = state.next_position[:, 0].reshape(B)
+    for layer in range(num_layers):
+        if not policy.compresses_layer(layer):
+            continue
+        parts = per_shard(
+            lambda st, nxt: _view_parts(st, layer, num_layers, nxt), mesh, (S, P(DATA)), _view_specs(H, False)
+        )(state, next_position)
+        extra = {} if window is None else {"window_q": window["q"][layer], "window_pos": window["pos"]}
+        view = LayerView(
+            layer=layer, num_layers=num_layers, next_position=next_position, final_chunk=final, **parts, **extra
+        )
+        keep_slots, keep_count = policy.compress_layer(view, keep_bound)
+        state = per_shard(
+            lambda st, slots, count: compact_layer(st, layer, slots, count), mesh,
+            (S, P(DATA, H, None), P(DATA, H)), S,
+        )(state, keep_slots, keep_count)
+    return state.replace(read_pages=read_pages)
+
+
+# --------------------------------------------------------------------------------------------- host
+
+
+def _padded_rows(rows: list[np.ndarray], data: int) -> list[np.ndarray]:
+    """Pad the batch to a multiple of the data axis with copies of the first prompt (dropped later)."""
+    return rows + [rows[0]] * (-len(rows) % data)
+
+
+def _sharded_prefill_rows(
+    model: Model, rows, policy: Policy, mesh: Mesh, plan: ShardingPlan, page_size: int, capacity: int,
+    chunk_size: int, declared_length: int, reserve_tokens: int,
+) -> tuple[KVState, jax.Array]:
+    """`kvjax.generation._prefill_rows` into a stacked state on `mesh` (the same chunking, per-chunk
+    compression and tail, and the same pool size in total)."""
+    cfg = model.cfg
+    policy.validate(page_size)
+    _warn_sliding_window(cfg, declared_length)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    B = len(rows)
+    slots_needed = max(policy.slots_needed(int(n), reserve_tokens, chunk_size) for n in lengths)
+    if slots_needed > pages_for(capacity, page_size) * page_size:
+        raise_capacity(slots_needed, capacity, page_size)
+
+    per_chunk = policy.compresses and policy.compresses_each_chunk
+    tails = np.array([policy.prefill_tail(int(n)) if per_chunk else 0 for n in lengths], np.int32)
+    num_pages = read_bound = None
+    if per_chunk:
+        full = pages_for(capacity, page_size)
+        bounded = min(full, pages_for(_bucketed(slots_needed), page_size))
+        read_bound = tuple(bounded if policy.compresses_layer(l) else full for l in range(cfg.num_layers))
+        num_pages = B * cfg.num_kv_heads * sum(read_bound)
+    state = init_sharded_state(
+        cfg, B, capacity, page_size, mesh, plan, num_pages, model.dtype, uses_long_factors(cfg, declared_length),
+        read_bound,
+    )
+    keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths - tails)
+    policy_params = policy.device_params()
+    batch = NamedSharding(mesh, P(DATA))
+    steps = {"cfg": cfg, "mesh": mesh, "plan": plan, "policy": policy}
+
+    def run_chunks(state, window, logits, part: list, compress: bool):
+        part_len = np.array([len(r) for r in part], np.int32)
+        C = _chunk_size_for(int(part_len.max()), chunk_size)
+        num_chunks = -(-int(part_len.max()) // C)
+        padded = np.zeros((B, num_chunks * C), np.int32)
+        for i, row in enumerate(part):
+            padded[i, : len(row)] = row
+        last_chunk = -(-part_len // C) - 1
+        for i in range(num_chunks):
+            num_new = np.clip(part_len - i * C, 0, C).astype(np.int32)
+            state, window, logits = _sharded_append_step(
+                model.params, state, window, jax.device_put(padded[:, i * C : (i + 1) * C], batch),
+                jax.device_put(num_new, batch), logits, policy_params, dtype=model.dtype, **steps,
+            )
+            if compress:
+                state = _sharded_compress_step(
+                    state, window, jax.device_put(i >= last_chunk, batch), num_layers=cfg.num_layers,
+                    policy=policy, keep_bound=keep_bound, read_pages=read_bound, mesh=mesh, plan=plan,
+                )
+        return state, window, logits
+
+    logits = jax.device_put(jnp.zeros((B, cfg.vocab_size), jnp.float32), batch)
+    window = new_window(cfg, B, policy.window_size, model.dtype) if policy.compresses else None
+    state, window, logits = run_chunks(state, window, logits, [r[: len(r) - t] for r, t in zip(rows, tails)], per_chunk)
+    if tails.any():
+        state, window, logits = run_chunks(state, window, logits, [r[len(r) - t :] for r, t in zip(rows, tails)], False)
+    error = sharded_overflow_error(state)
+    if error is not None:
+        raise error
+    if policy.compresses and not per_chunk:
+        keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths)
+        grow = 1 if policy.evicts_while_decoding else reserve_tokens
+        bounded = min(state.max_pages, pages_for(_bucketed(keep_bound + grow), page_size))
+        read_pages = tuple(bounded if policy.compresses_layer(l) else state.max_pages for l in range(cfg.num_layers))
+        state = _sharded_compress_step(
+            state, window, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages,
+            mesh=mesh, plan=plan,
+        )
+    return state, logits
+
+
+def _sharded_decode(model: Model, state, tokens, policy, mesh: Mesh, plan: ShardingPlan):
+    B = tokens.shape[0]
+    batch = NamedSharding(mesh, P(DATA))
+    state, _, logits = _sharded_append_step(
+        model.params, state, None, jax.device_put(tokens[:, None], NamedSharding(mesh, P(DATA, None))),
+        jax.device_put(jnp.ones((B,), jnp.int32), batch),
+        jax.device_put(jnp.zeros((B, model.cfg.vocab_size), jnp.float32), batch), policy.device_params(),
+        cfg=model.cfg, dtype=model.dtype, policy=policy, mesh=mesh, plan=plan,
+    )
+    return logits, state
+
+
+def _placed(model: Model, mesh: Mesh, on_indivisible: str) -> tuple[Model, ShardingPlan]:
+    return shard_params(model, mesh, on_indivisible), plan_for(model.cfg, mesh, on_indivisible)
+
+
+def prefill_sharded(
+    model: Model, prompt_ids, policy: Policy | None = None, *, mesh: Mesh, page_size: int = 16,
+    capacity: int | None = None, chunk_size: int = 512, max_new_tokens: int = 256, on_indivisible: str = "error",
+) -> tuple[KVState, jax.Array, ShardingPlan]:
+    """`kvjax.prefill` on `mesh`. Returns `(stacked state, logits f32[B', V], plan)`; B' is the batch
+    padded to a multiple of the data axis (the extra rows copy the first prompt)."""
+    policy = _policy_or_full(policy)
+    model, plan = _placed(model, mesh, on_indivisible)
+    rows = _padded_rows(as_token_lists(prompt_ids, model.cfg.vocab_size), plan.data)
+    longest = max(len(r) for r in rows)
+    if capacity is None:
+        declared, reserve, capacity = longest + max_new_tokens, max_new_tokens, _bucketed(longest + max_new_tokens)
+    else:
+        declared, reserve = capacity, 0
+    state, logits = _sharded_prefill_rows(
+        model, rows, policy, mesh, plan, page_size, capacity, chunk_size, declared, reserve
+    )
+    return state, logits, plan
+
+
+def generate_sharded(
+    model: Model,
+    prompt_ids,
+    max_new_tokens: int = 8,
+    policy: Policy | None = None,
+    *,
+    mesh: Mesh,
+    on_indivisible: str = "error",
+    decode_last: int = 0,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    page_size: int = 16,
+    capacity: int | None = None,
+    chunk_size: int = 512,
+    eos_token_id: int | Sequence[int] | None = None,
+    return_logprobs: bool = False,
+):
+    """`kvjax.generate` over a ("data", "model") mesh (`kvjax.distributed.make_mesh`): same arguments
+    and results. Heads and the MLP are split over "model", sequences over "data" (see `plan_for` for
+    `on_indivisible`); each device keeps the KV pages of its own sequences and heads."""
+    policy = _policy_or_full(policy)
+    validate_sampling(temperature, top_k, top_p)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    model, plan = _placed(model, mesh, on_indivisible)
+    given = as_token_lists(prompt_ids, model.cfg.vocab_size)
+    rows = _padded_rows(given, plan.data)
+    shortest, longest = min(len(r) for r in rows), max(len(r) for r in rows)
+    if not 0 <= decode_last < shortest:
+        raise ValueError(f"decode_last must be in [0, shortest prompt length {shortest}), got {decode_last}")
+    needed = longest + max_new_tokens
+    capacity = _bucketed(needed) if capacity is None else capacity
+    eos = model.eos_token_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
+
+    state, logits = _sharded_prefill_rows(
+        model, [r[: len(r) - decode_last] for r in rows], policy, mesh, plan, page_size, capacity, chunk_size,
+        needed, max_new_tokens + decode_last,
+    )
+    for j in range(decode_last):
+        step_tokens = jnp.asarray([r[len(r) - decode_last + j] for r in rows], jnp.int32)
+        logits, state = _sharded_decode(model, state, step_tokens, policy, mesh, plan)
+
+    B = len(rows)
+    out = np.full((B, max_new_tokens), -1, np.int32)
+    out_logprobs = np.full((B, max_new_tokens), np.nan, np.float32)
+    done = np.zeros(B, bool)
+    key = jax.random.PRNGKey(seed)
+    eos_array = np.asarray(eos, np.int32)
+    for t in range(max_new_tokens):
+        key, step_key = jax.random.split(key)
+        tokens, logprobs = _sample(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)
+        tokens_host, logprobs_host = np.asarray(tokens), np.asarray(logprobs)
+        out[~done, t] = tokens_host[~done]
+        out_logprobs[~done, t] = logprobs_host[~done]
+        done |= np.isin(tokens_host, eos_array)
+        if done.all() or t == max_new_tokens - 1:
+            break
+        logits, state = _sharded_decode(model, state, tokens, policy, mesh, plan)
+    error = sharded_overflow_error(state)
+    if error is not None:
+        raise error
+    n = len(given)
+    return (out[:n], out_logprobs[:n]) if return_logprobs else out[:n]

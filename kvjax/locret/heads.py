@@ -1,0 +1,194 @@
+"""Locret's retaining heads: one small MLP per layer that predicts each cached token's future importance.
+
+A head reads concat(pre-RoPE q, pre-RoPE k, v) of one token, `F = (Hq + 2 * H) * D` features, and
+returns one score per kv head: Linear(F -> hidden) -> SiLU -> Linear(hidden -> H), no biases (the
+paper's design, hidden 1024 by default). `retaining_scores` is the one scoring function: training
+(`kvjax.locret.training`) and the `locret` policy (at append time) both call it.
+
+The heads are parameters apart from the frozen model: a dict `{"layer_{l}": {"w1": [F, hidden],
+"w2": [hidden, H]}}`, wrapped in `RetainingHeads` with the shape they were built for. They save and
+restore with orbax (`save_heads` / `restore_heads`) and export to safetensors (`export_safetensors`);
+`load_heads` reads either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig
+
+META_FILE = "locret_heads.json"
+PARAMS_DIR = "params"
+DEFAULT_HIDDEN = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsConfig:
+    """The shape a set of heads was built for (must match the model it scores)."""
+
+    num_layers: int
+    num_heads: int  # query heads Hq
+    num_kv_heads: int  # H
+    head_dim: int  # D
+    hidden_size: int = DEFAULT_HIDDEN
+
+    @property
+    def in_features(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, hidden_size: int = DEFAULT_HIDDEN) -> "HeadsConfig":
+        return cls(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, hidden_size)
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Raise ValueError naming the first field where these heads do not fit `cfg`."""
+        model = HeadsConfig.for_model(cfg, self.hidden_size)
+        for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, field) != getattr(model, field):
+                raise ValueError(
+                    f"retaining heads were built for {field}={getattr(self, field)} but the model has "
+                    f"{getattr(model, field)}"
+                )
+
+
+@dataclasses.dataclass(eq=False)
+class RetainingHeads:
+    """Heads' parameters and their config. Hashes by identity, so a policy holding it stays static under
+    `jit`; the arrays themselves reach the jitted step as an argument (`Policy.device_params`)."""
+
+    config: HeadsConfig
+    params: Any  # {"layer_{l}": {"w1": [F, hidden], "w2": [hidden, H]}}
+
+    def layer(self, index: int) -> dict:
+        return self.params[f"layer_{index}"]
+
+
+def init_heads(config: HeadsConfig, seed: int = 0, dtype=jnp.float32) -> RetainingHeads:
+    """Fresh heads: LeCun-normal weights (PyTorch's Linear has the same variance scale up to a constant)."""
+    init = jax.nn.initializers.lecun_normal()
+    keys = jax.random.split(jax.random.PRNGKey(seed), 2 * config.num_layers)
+    params = {
+        f"layer_{l}": {
+            "w1": init(keys[2 * l], (config.in_features, config.hidden_size), dtype),
+            "w2": init(keys[2 * l + 1], (config.hidden_size, config.num_kv_heads), dtype),
+        }
+        for l in range(config.num_layers)
+    }
+    return RetainingHeads(config, params)
+
+
+def retaining_scores(layer_params: dict, q_pre: jax.Array, k_pre: jax.Array, v: jax.Array) -> jax.Array:
+    """Predicted importance of each token for each kv head: `f32[B, T, H]`.
+
+    `q_pre [B, T, Hq, D]` and `k_pre [B, T, H, D]` are before RoPE, `v [B, T, H, D]`. Computes in the
+    inputs' dtype (bfloat16 models score in bfloat16) with float32 accumulation.
+    """
+    B, T = q_pre.shape[:2]
+    x = jnp.concatenate([q_pre.reshape(B, T, -1), k_pre.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
+    w1, w2 = layer_params["w1"], layer_params["w2"]
+    if x.shape[-1] != w1.shape[0]:
+        raise ValueError(
+            f"retaining head expects {w1.shape[0]} input features (Hq + 2H) * D, got {x.shape[-1]} from the model"
+        )
+    h = jnp.einsum("btf,fk->btk", x, w1.astype(x.dtype), preferred_element_type=jnp.float32)
+    h = jax.nn.silu(h).astype(x.dtype)
+    return jnp.einsum("btk,kh->bth", h, w2.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------ storage
+
+
+def _write_meta(path: str, config: HeadsConfig, extra: dict | None = None) -> None:
+    with open(os.path.join(path, META_FILE), "w") as f:
+        json.dump({"config": dataclasses.asdict(config), **(extra or {})}, f, indent=2)
+
+
+def _read_config(path: str) -> HeadsConfig:
+    meta = os.path.join(path, META_FILE)
+    if not os.path.isfile(meta):
+        raise FileNotFoundError(f"{path!r} holds no retaining heads ({META_FILE} is missing)")
+    with open(meta) as f:
+        return HeadsConfig(**json.load(f)["config"])
+
+
+def abstract_params(config: HeadsConfig, dtype=jnp.float32) -> dict:
+    """`jax.ShapeDtypeStruct` tree of the heads' parameters (an orbax restore target)."""
+    return jax.eval_shape(lambda: init_heads(config, 0, dtype).params)
+
+
+def save_heads(path: str | os.PathLike, heads: RetainingHeads, extra: dict | None = None) -> str:
+    """Save with orbax into directory `path` (overwritten), beside a JSON file with the config."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.fspath(path))
+    os.makedirs(path, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(path, PARAMS_DIR), heads.params, force=True)
+    checkpointer.wait_until_finished()
+    _write_meta(path, heads.config, extra)
+    return path
+
+
+def restore_heads(path: str | os.PathLike) -> RetainingHeads:
+    """Restore heads saved by `save_heads` (or `export_safetensors`'s file: see `load_heads`)."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.fspath(path))
+    config = _read_config(path)
+    params = ocp.StandardCheckpointer().restore(os.path.join(path, PARAMS_DIR), abstract_params(config))
+    return RetainingHeads(config, params)
+
+
+def export_safetensors(heads: RetainingHeads, file: str | os.PathLike) -> str:
+    """Write `layers.{l}.retaining_head.{w1,w2}` tensors (float32) with the config in the metadata."""
+    from safetensors.numpy import save_file
+
+    file = os.fspath(file)
+    tensors = {
+        f"layers.{l}.retaining_head.{name}": np.asarray(heads.layer(l)[name], np.float32)
+        for l in range(heads.config.num_layers)
+        for name in ("w1", "w2")
+    }
+    save_file(tensors, file, metadata={"locret_heads_config": json.dumps(dataclasses.asdict(heads.config))})
+    return file
+
+
+def import_safetensors(file: str | os.PathLike) -> RetainingHeads:
+    from safetensors import safe_open
+
+    file = os.fspath(file)
+    with safe_open(file, framework="numpy") as f:
+        meta = f.metadata() or {}
+        if "locret_heads_config" not in meta:
+            raise ValueError(f"{file!r} is not a retaining-heads export (no locret_heads_config metadata)")
+        config = HeadsConfig(**json.loads(meta["locret_heads_config"]))
+        params = {
+            f"layer_{l}": {name: jnp.asarray(f.get_tensor(f"layers.{l}.retaining_head.{name}")) for name in ("w1", "w2")}
+            for l in range(config.num_layers)
+        }
+    return RetainingHeads(config, params)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(path: str, mtime: float) -> RetainingHeads:
+    if path.endswith(".safetensors"):
+        return import_safetensors(path)
+    return restore_heads(path)
+
+
+def load_heads(path: str | os.PathLike) -> RetainingHeads:
+    """Heads from an orbax directory (`save_heads`) or a `.safetensors` export. Cached by path and
+    modification time, so policies built from the same path share one object (and one compile)."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"retaining heads {path!r} do not exist")
+    meta = path if path.endswith(".safetensors") else os.path.join(path, META_FILE)
+    return _load_cached(path, os.path.getmtime(meta) if os.path.exists(meta) else 0.0)

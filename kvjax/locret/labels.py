@@ -1,0 +1,111 @@
+"""Locret's training targets, computed through kvjax's own forward (the paged state, chunked prefill).
+
+For one batch of (prefix, answer) pairs: the frozen model prefills the prefix chunk by chunk into a full
+paged cache, then appends the answer tokens as one more chunk. Each prefix token's features (pre-RoPE q,
+k and v, what a retaining head reads) are taken as the prefix passes; the label of prefix token j for kv
+head h is the largest pre-softmax attention logit `q . k_j / sqrt(D)` (post-RoPE, as attention sees it)
+over every answer token's query and over h's GQA group. Prefix keys only: the answer's own keys get none.
+
+Everything is a pure function of arrays (jit it; the model's parameters are not differentiated).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.attention import blocked_paged_attention
+from kvjax.config import ModelConfig
+from kvjax.models import CausalLM
+from kvjax.rope import rope_frequencies, uses_long_factors
+from kvjax.state import allocate_for_append, append_to_layer, gather_layer, init_state
+
+_MASKED = -1e30
+
+
+class Batch(NamedTuple):
+    """Left-aligned, padded (prefix, answer) pairs. B rows, Tp prefix slots, A answer slots."""
+
+    prefix: jax.Array  # int32[B, Tp]
+    prefix_len: jax.Array  # int32[B], at least 1
+    answer: jax.Array  # int32[B, A]
+    answer_len: jax.Array  # int32[B], at least 1
+
+
+class Targets(NamedTuple):
+    """Per-layer retaining-head inputs and labels of the prefix tokens. L layers."""
+
+    q_pre: jax.Array  # [L, B, Tp, Hq, D]
+    k_pre: jax.Array  # [L, B, Tp, H, D]
+    v: jax.Array  # [L, B, Tp, H, D]
+    labels: jax.Array  # f32[L, B, Tp, H]
+    valid: jax.Array  # bool[B, Tp]: a real prefix token
+
+
+def _chunk(params, state, tokens, num_new, *, cfg: ModelConfig, dtype, rope, on_layer):
+    """Append `tokens int32[B, C]` (the first num_new[b] real) to every layer and attend, as kvjax's
+    prefill step does; `on_layer(layer, inputs, state)` sees each layer after its append."""
+    C = tokens.shape[1]
+    positions = state.next_position[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    state, ok = allocate_for_append(state, num_new, C)
+    num_new = jnp.where(ok, num_new, 0)
+
+    def attend(layer, inputs, state):
+        state = append_to_layer(state, layer, inputs.k, inputs.v, inputs.positions, num_new)
+        on_layer(layer, inputs, state)
+        return blocked_paged_attention(inputs.q, inputs.positions, state, layer), state
+
+    _, state = CausalLM(cfg, dtype).apply({"params": params}, tokens, positions, rope, attend, state)
+    return state.replace(next_position=state.next_position + num_new)
+
+
+def answer_logit_max(q: jax.Array, answer_real: jax.Array, k: jax.Array, key_real: jax.Array) -> jax.Array:
+    """max over real answer queries and over the GQA group of `q . k / sqrt(D)`: `f32[B, H, S]`.
+
+    `q [B, A, Hq, D]` post-RoPE answer queries, `answer_real bool[B, A]`, `k [B, H, S, D]` keys in slot
+    order, `key_real bool[B, H, S]`. Entries of unreal keys are 0."""
+    B, A, Hq, D = q.shape
+    H = k.shape[1]
+    qg = q.reshape(B, A, H, Hq // H, D)
+    s = jnp.einsum("bahgd,bhsd->bhgas", qg, k.astype(q.dtype), preferred_element_type=jnp.float32) * D**-0.5
+    s = jnp.where(answer_real[:, None, None, :, None], s, _MASKED)
+    best = s.max(axis=(2, 3))
+    return jnp.where(key_real, best, 0.0)
+
+
+def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chunk_size: int, page_size: int = 16) -> Targets:
+    """Retaining-head inputs and labels for `batch` (see the module docstring). `chunk_size` must divide
+    the prefix width Tp (or exceed it)."""
+    B, Tp = batch.prefix.shape
+    A = batch.answer.shape[1]
+    C = min(chunk_size, Tp)
+    if Tp % C:
+        raise ValueError(f"prefix width {Tp} must be a multiple of chunk_size {C}")
+    long_rope = uses_long_factors(cfg, Tp + A)
+    rope = rope_frequencies(cfg, long_rope)
+    state = init_state(cfg, B, Tp + A, page_size, dtype=dtype, long_rope=long_rope)
+    L = cfg.num_layers
+    feats = [[] for _ in range(L)]
+    labels = [None] * L
+
+    def record(layer, inputs, state):
+        feats[layer].append((inputs.q_pre, inputs.k_pre, inputs.v))
+
+    for i in range(Tp // C):
+        num_new = jnp.clip(batch.prefix_len - i * C, 0, C).astype(jnp.int32)
+        state = _chunk(model_params, state, batch.prefix[:, i * C : (i + 1) * C], num_new, cfg=cfg, dtype=dtype, rope=rope, on_layer=record)
+
+    answer_real = jnp.arange(A)[None, :] < batch.answer_len[:, None]
+
+    def label(layer, inputs, state):
+        k, _, pos, valid = gather_layer(state, layer)
+        prefix_key = valid & (pos < batch.prefix_len[:, None, None])
+        best = answer_logit_max(inputs.q, answer_real, k, prefix_key)  # [B, H, S], slot order = position
+        labels[layer] = jnp.moveaxis(best[:, :, :Tp], 1, 2)  # [B, Tp, H]
+
+    _chunk(model_params, state, batch.answer, batch.answer_len.astype(jnp.int32), cfg=cfg, dtype=dtype, rope=rope, on_layer=label)
+    stack = lambda i: jnp.stack([jnp.concatenate([f[i] for f in feats[l]], axis=1) for l in range(L)])
+    valid = jnp.arange(Tp)[None, :] < batch.prefix_len[:, None]
+    return Targets(stack(0), stack(1), stack(2), jnp.stack(labels), valid)

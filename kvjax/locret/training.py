@@ -1,0 +1,104 @@
+"""Locret's training objective and optimizer, as pure functions (the program is `train/locret.py`).
+
+    loss_fn(head_params, model_params, batch, *, cfg, dtype, chunk_size, alpha=0.0025, page_size=16) -> f32[]
+
+`batch` is a `kvjax.locret.labels.Batch` (prefix/answer tokens and lengths, one or more sequences). The
+loss is the mean Smooth-L1 (beta 1) between each layer's head predictions and labels over real prefix
+tokens, plus `alpha` times the sum over layers of the mean squared difference between neighbouring
+predictions (the paper's smoothness term). Gradients flow only into `head_params`; the model is frozen.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from kvjax.config import ModelConfig
+from kvjax.locret.heads import retaining_scores
+from kvjax.locret.labels import Batch, Targets, compute_targets
+
+DEFAULT_ALPHA = 0.0025
+
+
+def head_loss(head_params: dict, targets: Targets, alpha: float = DEFAULT_ALPHA) -> jax.Array:
+    """Smooth-L1 + alpha * smoothness of the heads' predictions on `targets` (scalar f32)."""
+    L = targets.labels.shape[0]
+    H = targets.labels.shape[-1]
+    valid = targets.valid.astype(jnp.float32)[..., None]  # [B, Tp, 1]
+    pairs = (targets.valid[:, 1:] & targets.valid[:, :-1]).astype(jnp.float32)[..., None]
+    fit, smooth = 0.0, 0.0
+    for l in range(L):
+        pred = retaining_scores(head_params[f"layer_{l}"], targets.q_pre[l], targets.k_pre[l], targets.v[l])
+        fit += jnp.sum(optax.huber_loss(pred, targets.labels[l], delta=1.0) * valid) / (jnp.sum(valid) * H)
+        smooth += jnp.sum(jnp.square(pred[:, 1:] - pred[:, :-1]) * pairs) / jnp.maximum(jnp.sum(pairs) * H, 1.0)
+    return fit / L + alpha * smooth
+
+
+def loss_fn(
+    head_params: dict,
+    model_params,
+    batch: Batch,
+    *,
+    cfg: ModelConfig,
+    dtype=jnp.float32,
+    chunk_size: int = 1024,
+    alpha: float = DEFAULT_ALPHA,
+    page_size: int = 16,
+) -> jax.Array:
+    """The training loss of `head_params` on `batch` (see the module docstring); jit with the keyword
+    arguments static. Labels and features come from `compute_targets` on the frozen `model_params`."""
+    targets = compute_targets(
+        jax.lax.stop_gradient(model_params), batch, cfg=cfg, dtype=dtype, chunk_size=chunk_size, page_size=page_size
+    )
+    return head_loss(head_params, jax.tree_util.tree_map(jax.lax.stop_gradient, targets), alpha)
+
+
+def make_optimizer(
+    learning_rate: float = 5e-4,
+    total_steps: int = 3000,
+    warmup_steps: int = 2000,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    weight_decay: float = 0.01,
+    clip_value: float = 0.5,
+) -> optax.GradientTransformation:
+    """AdamW after clipping each gradient entry to [-clip_value, clip_value]; the learning rate rises
+    linearly from 0 over `warmup_steps`, then falls linearly to 0 at `total_steps` (DESIGN.md's settings;
+    weight decay 0.01 is PyTorch AdamW's default)."""
+    schedule = lr_schedule(learning_rate, total_steps, warmup_steps)
+    return optax.chain(
+        optax.clip(clip_value), optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay)
+    )
+
+
+def lr_schedule(learning_rate: float, total_steps: int, warmup_steps: int) -> optax.Schedule:
+    """Linear warm-up from 0 to `learning_rate` over `warmup_steps`, then linear decay to 0 at `total_steps`."""
+    if not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"warmup_steps must be in [0, total_steps={total_steps}], got {warmup_steps}")
+    return optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
+            optax.linear_schedule(learning_rate, 0.0, max(total_steps - warmup_steps, 1)),
+        ],
+        [warmup_steps],
+    )
+
+
+def make_train_step(optimizer: optax.GradientTransformation, *, cfg: ModelConfig, dtype, chunk_size: int, alpha: float = DEFAULT_ALPHA):
+    """A jitted `step(head_params, opt_state, model_params, batch) -> (head_params, opt_state, loss)`.
+
+    The gradient is `loss_fn`'s with respect to the heads (the model's forward sits behind stop_gradient,
+    so it runs once, undifferentiated); the heads and optimizer state are donated."""
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(head_params, opt_state, model_params, batch: Batch):
+        loss, grads = jax.value_and_grad(loss_fn)(
+            head_params, model_params, batch, cfg=cfg, dtype=dtype, chunk_size=chunk_size, alpha=alpha
+        )
+        updates, opt_state = optimizer.update(grads, opt_state, head_params)
+        return optax.apply_updates(head_params, updates), opt_state, loss
+
+    return step

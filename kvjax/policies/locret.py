@@ -1,0 +1,114 @@
+"""Locret (Huang et al., 2024): trained retaining heads score each token; chunked prefill evicts to a budget.
+
+Each token's score (its "CIS") is computed once, when it is appended, by the layer's retaining head on
+that token's pre-RoPE q, k and v (`kvjax.locret.heads.retaining_scores`, the function training uses), and
+stored in the state's `slot_score`. After every prefill chunk each (sequence, kv-head) keeps its top
+`token_budget - local_tail` slots; the newest `stabilizers` slots count as +inf except after the
+sequence's last chunk. The last `local_tail` prompt tokens are then appended without eviction, and
+decoding evicts nothing. So a head never holds more than budget + one chunk (+ tail and new tokens),
+and the pool is sized for that, not for the prompt.
+
+`token_budget` counts every slot a head keeps after prefill (the evicted part plus the tail), as for the
+other policies. Keys stay post-RoPE at their original positions; unlike the authors' code, kept keys are
+not re-rotated to compacted positions.
+
+`heads` is a `RetainingHeads`, a path (`save_heads` directory or `.safetensors` export), or a parameter
+dict. The policy holds it by identity (hashable, static under jit); the arrays reach the jitted step as
+an argument (`device_params`), so they are never baked into the compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.policies.base import LayerView, Policy, register_policy
+from kvjax.policies.eviction import NEG, keep_top, recent
+
+# parameter dicts given directly, wrapped once each (the dict is kept alive so its id stays unique)
+_WRAPPED: dict[int, tuple[dict, Any]] = {}
+
+
+def _as_heads(heads):
+    from kvjax.locret.heads import RetainingHeads, load_heads
+
+    if isinstance(heads, RetainingHeads):
+        return heads
+    if isinstance(heads, (str, os.PathLike)):
+        return load_heads(heads)
+    if isinstance(heads, dict):
+        if id(heads) not in _WRAPPED:
+            _WRAPPED[id(heads)] = (heads, RetainingHeads(None, heads))
+        return _WRAPPED[id(heads)][1]
+    raise TypeError(
+        "locret: heads= must be RetainingHeads, a path to saved heads, or a parameter dict; "
+        f"got {type(heads).__name__}"
+    )
+
+
+@register_policy("locret")
+@dataclasses.dataclass(frozen=True)
+class Locret(Policy):
+    token_budget: int = 128  # slots a head keeps after prefill, local_tail included
+    stabilizers: int = 32  # n_s: the newest slots kept at each non-final chunk
+    local_tail: int = 16  # n_loc: last prompt tokens appended without eviction
+    heads: Any = None
+    compresses = True
+    compresses_each_chunk = True
+
+    def __post_init__(self):
+        if self.heads is None:
+            raise ValueError("locret: heads= is required (RetainingHeads, a path to saved heads, or a parameter dict)")
+        object.__setattr__(self, "heads", _as_heads(self.heads))
+
+    @property
+    def evict_budget(self) -> int:
+        return self.token_budget - self.local_tail
+
+    def validate(self, page_size: int) -> None:
+        super().validate(page_size)
+        if self.local_tail < 0:
+            raise ValueError(f"locret: local_tail must be >= 0, got {self.local_tail}")
+        if self.evict_budget <= 0:
+            raise ValueError(
+                f"locret: token_budget={self.token_budget} must exceed local_tail={self.local_tail}"
+            )
+        if not 0 <= self.stabilizers < self.evict_budget:
+            raise ValueError(
+                f"locret: stabilizers must be in [0, token_budget - local_tail = {self.evict_budget}), "
+                f"got {self.stabilizers}"
+            )
+
+    def slots_needed(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> int:
+        bound = self.evict_budget + max(chunk_size, self.local_tail + max_new_tokens)
+        return min(prompt_len + max_new_tokens, bound)
+
+    def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
+        return min(prompt_len, self.evict_budget)
+
+    def decode_budget(self, prompt_len: int) -> int:
+        return self.token_budget
+
+    def prefill_tail(self, prompt_len: int) -> int:
+        return min(self.local_tail, prompt_len)
+
+    def device_params(self):
+        return self.heads.params
+
+    def append_scores(self, layer: int, inputs, params) -> jax.Array | None:
+        if inputs.q.shape[1] == 1:  # decoding evicts nothing: no score needed
+            return None
+        from kvjax.locret.heads import retaining_scores
+
+        return retaining_scores(params[f"layer_{layer}"], inputs.q_pre, inputs.k_pre, inputs.v)
+
+    def compress_layer(self, view: LayerView, keep_bound: int):
+        final = jnp.ones(view.lengths.shape[:1], bool) if view.final_chunk is None else view.final_chunk
+        stable = recent(view, self.stabilizers) & ~final[:, None, None]
+        scores = jnp.where(stable, jnp.inf, view.slot_score)
+        scores = jnp.where(view.valid, scores, NEG)
+        return keep_top(scores, jnp.minimum(self.evict_budget, view.lengths), keep_bound)

@@ -1,0 +1,147 @@
+"""The Locret policy: keeps the retaining heads' top slots per chunk, holds the tail, stays O(budget + chunk)."""
+
+import numpy as np
+import pytest
+
+import kvjax
+from conftest import random_tokens
+from kvjax.compaction import kept_positions, memory_report
+from kvjax.generation import TRACE_COUNTS
+from kvjax.locret import HeadsConfig, export_safetensors, init_heads, save_heads
+from test_locret_training import dense_capture
+from test_state import check_invariants
+
+CHUNK, BUDGET, TAIL, STABLE = 32, 24, 8, 6  # evict budget b = BUDGET - TAIL = 16
+
+
+@pytest.fixture(scope="module")
+def setup(hf_models):
+    model = kvjax.load_model(hf_models("llama_gqa_llama3")[1])
+    heads = init_heads(HeadsConfig.for_model(model.cfg, 32), seed=5)
+    return model, heads
+
+
+def numpy_scores(heads, layer, q_pre, k_pre, v):
+    """The retaining head in numpy: SiLU MLP on concat(q_pre, k_pre, v) -> [T, H]."""
+    x = np.concatenate([q_pre.reshape(len(q_pre), -1), k_pre.reshape(len(k_pre), -1), v.reshape(len(v), -1)], -1)
+    w1, w2 = (np.asarray(heads.layer(layer)[n], np.float64) for n in ("w1", "w2"))
+    h = x @ w1
+    return (h / (1 + np.exp(-h))) @ w2
+
+
+def _policy(heads, **options):
+    return kvjax.make_policy("locret", **{"token_budget": BUDGET, "stabilizers": STABLE, "local_tail": TAIL, "heads": heads, **options})
+
+
+def _prefill(model, tokens, policy, **kwargs):
+    state, logits = kvjax.prefill(model, tokens, policy=policy, chunk_size=CHUNK, page_size=8, max_new_tokens=4, **kwargs)
+    check_invariants(state)
+    return state, logits
+
+
+def test_one_chunk_keeps_the_heads_top_and_the_tail(setup):
+    model, heads = setup
+    T = CHUNK + TAIL  # one (final) chunk, then the tail
+    tokens = random_tokens(11, (1, T))
+    state, _ = _prefill(model, tokens, _policy(heads))
+    kept = kept_positions(state)
+    b = BUDGET - TAIL
+    for layer, (_, _, q_pre, k_pre, v) in dense_capture(model, tokens[0]).items():
+        ref = numpy_scores(heads, layer, q_pre[:CHUNK], k_pre[:CHUNK], v[:CHUNK])  # [CHUNK, H]
+        for h in range(model.cfg.num_kv_heads):
+            expected = set(np.argsort(-ref[:, h])[:b].tolist()) | set(range(CHUNK, T))
+            assert set(kept[layer][0][h].tolist()) == expected
+
+
+def test_stabilizers_survive_non_final_chunks(setup):
+    model, heads = setup
+    T = 2 * CHUNK + TAIL
+    tokens = random_tokens(12, (1, T))
+    state, _ = _prefill(model, tokens, _policy(heads))
+    kept = kept_positions(state)
+    b = BUDGET - TAIL
+    for layer, (_, _, q_pre, k_pre, v) in dense_capture(model, tokens[0]).items():
+        ref = numpy_scores(heads, layer, q_pre[:CHUNK], k_pre[:CHUNK], v[:CHUNK])
+        for h in range(model.cfg.num_kv_heads):
+            positions = kept[layer][0][h]
+            assert len(positions) == BUDGET and set(range(2 * CHUNK, T)) <= set(positions.tolist())
+            # after chunk 1 (not final) the newest STABLE slots were kept whatever their score
+            first = set(np.argsort(-ref[: CHUNK - STABLE, h])[: b - STABLE].tolist()) | set(range(CHUNK - STABLE, CHUNK))
+            assert set(positions[positions < CHUNK].tolist()) <= first
+
+
+def test_pool_is_sized_by_budget_not_prompt(setup):
+    model, heads = setup
+    policy = _policy(heads)
+    short, _ = _prefill(model, random_tokens(13, (1, 3 * CHUNK)), policy)
+    long, _ = _prefill(model, random_tokens(14, (1, 16 * CHUNK)), policy)
+    assert long.num_pages == short.num_pages  # the pool does not grow with the prompt
+    L, H = model.cfg.num_layers, model.cfg.num_kv_heads
+    assert long.num_pages <= L * H * (16 * CHUNK // 8) // 2  # half of what the prompt alone would take
+    report = memory_report(long)
+    assert report["pages_in_use"] == L * H * (BUDGET // 8)
+
+
+def test_large_budget_matches_the_full_cache_and_decode_compiles_once(setup):
+    model, heads = setup
+    tokens = random_tokens(15, (2, 3 * CHUNK))
+    _, full_logits = _prefill(model, tokens, kvjax.make_policy("full"))
+    big = _policy(heads, token_budget=4 * CHUNK)
+    _, logits = _prefill(model, tokens, big)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(full_logits), atol=1e-5)
+    policy = _policy(heads)
+    kvjax.generate(model, tokens, max_new_tokens=2, policy=policy, chunk_size=CHUNK, decode_last=2)
+    before = TRACE_COUNTS[("append_step", 2, 1)]
+    kvjax.generate(model, tokens, max_new_tokens=6, policy=policy, chunk_size=CHUNK, decode_last=2)
+    assert TRACE_COUNTS[("append_step", 2, 1)] == before
+
+
+def test_ragged_batch_and_dense_layers(setup):
+    model, heads = setup
+    rows = [random_tokens(16, (1, 2 * CHUNK + TAIL))[0], random_tokens(17, (1, CHUNK // 2))[0]]
+    state, _ = _prefill(model, rows, _policy(heads, dense_layers=1))
+    kept = kept_positions(state)
+    alone = kept_positions(_prefill(model, rows[0][None], _policy(heads, dense_layers=1))[0])
+    for h in range(model.cfg.num_kv_heads):
+        assert kept[0][0][h].tolist() == list(range(len(rows[0])))  # the dense layer holds everything
+        assert len(kept[1][0][h]) == BUDGET
+        assert kept[1][1][h].tolist() == list(range(len(rows[1])))  # a short row fits whole
+        assert kept[1][0][h].tolist() == alone[1][0][h].tolist()  # rows do not affect each other
+
+
+def test_heads_from_paths_and_hashing(setup, tmp_path):
+    model, heads = setup
+    save_heads(tmp_path / "heads", heads)
+    export_safetensors(heads, tmp_path / "heads.safetensors")
+    for path in (str(tmp_path / "heads"), str(tmp_path / "heads.safetensors")):
+        policy = _policy(path)
+        assert policy == _policy(path) and hash(policy) == hash(_policy(path))  # one compile per path
+        assert policy.heads.config == heads.config
+        for layer in range(model.cfg.num_layers):
+            for name in ("w1", "w2"):
+                np.testing.assert_array_equal(np.asarray(policy.heads.layer(layer)[name]), np.asarray(heads.layer(layer)[name]))
+    assert _policy(heads.params) == _policy(heads.params)
+    assert _policy(heads) != _policy(init_heads(heads.config, seed=6))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"token_budget": 8, "local_tail": 8}, "must exceed local_tail"),
+        ({"stabilizers": BUDGET - TAIL}, "stabilizers must be in"),
+        ({"local_tail": -1}, "local_tail must be >= 0"),
+    ],
+)
+def test_bad_options_name_the_field(setup, options, message):
+    model, heads = setup
+    with pytest.raises(ValueError, match=message):
+        kvjax.generate(model, random_tokens(0, (1, 40)), max_new_tokens=1, policy=_policy(heads, **options))
+
+
+def test_heads_must_fit_the_model(setup):
+    model, _ = setup
+    with pytest.raises(ValueError, match="heads= is required"):
+        kvjax.make_policy("locret")
+    wrong = init_heads(HeadsConfig(2, 4, 2, 8, 16))
+    with pytest.raises(ValueError, match="input features"):
+        kvjax.generate(model, random_tokens(0, (1, 40)), max_new_tokens=1, policy=_policy(wrong))

@@ -1,0 +1,141 @@
+"""Sharded generation and data-parallel retaining-head training equal their single-device runs.
+
+The checks run on 8 simulated CPU devices in a subprocess (tests/_sharding_worker.py), because
+XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before jax is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sharding_worker.py")
+# one policy per mesh, chosen to cover each shard-crossing path: TOVA averages attention over all heads
+# while decoding, Ada-SnapKV splits a layer's budget across heads at compression, Quest selects per head
+GENERATE = "1x8:tova,2x4:ada_snapkv,8x1:quest"
+ALL_POLICIES = ["full", "quest", "streaming", "h2o", "tova", "snapkv", "ada_snapkv", "pyramid", "ada_pyramid",
+                "locret", "compose"]
+
+
+def run_worker(*args: str, timeout: int = 3600) -> dict:
+    proc = subprocess.run([sys.executable, WORKER, *args], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"sharding worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_worker("--generate", GENERATE, "--train", "8x1", "--indivisible")
+
+
+def test_worker_sees_eight_devices(results):
+    assert results["devices"] == 8
+    assert [r["mesh"] for r in results["generate"]] == ["1x8", "2x4", "8x1"]
+
+
+def _check_generation(run: dict) -> None:
+    label = f"{run['policy']} on {run['mesh']}"
+    assert run["tokens_equal"], f"{label}: sharded {run['sharded']} != single-device {run['ref']}"
+    assert run["kept_equal"], f"{label}: kept positions per (layer, sequence, head) differ after prefill"
+    assert run["logits_max_diff"] < 1e-4, label
+    assert run["decode_traces"] == 1, f"{label}: the sharded decode step recompiled while decoding"
+    assert np.asarray(run["ref"]).min() >= 0  # no EOS cut: every step was compared
+
+
+def test_sharded_generation_equals_single_device(results):
+    for run in results["generate"]:
+        _check_generation(run)
+
+
+def test_kv_pool_is_split_by_shard(results):
+    for run in results["generate"]:
+        data, model = (int(x) for x in run["mesh"].split("x"))
+        assert run["heads_sharded"] == (model > 1) and run["mlp_sharded"] == (model > 1)
+        assert run["pool_devices"] == 8
+        # every device holds one shard's pool: 1/8 of the single-device pool, never a replica of it
+        assert run["pool_pages_per_device"] == [[1, 1, run["pool_pages_single"] // 8, 16, 8]]
+
+
+def test_data_parallel_training_equals_accumulation(results):
+    (run,) = results["train"]
+    assert run["mesh"] == "8x1" and run["microbatch"] == 1
+    assert run["loss_data_parallel"] == pytest.approx(run["loss_accumulated"], rel=1e-6)
+    assert run["loss_step"] == pytest.approx(run["loss_accumulated"], rel=1e-6)
+    assert run["grad_max_diff"] <= 1e-5 * run["grad_max_abs"]
+    assert run["param_max_diff"] <= 1e-3 * run["param_max_change"]
+    # the check can tell: one whole-batch loss weighs tokens, not sequences, and differs
+    assert abs(run["loss_whole_batch_one_device"] - run["loss_accumulated"]) > 1e-5
+
+
+def test_indivisible_heads_raise_a_clear_error(results):
+    message = results["indivisible"]["error"]
+    assert message is not None
+    assert "'model' axis of 8" in message and "num_kv_heads=4" in message and "replicate" in message
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("KVJAX_TEST_SHARDING_ALL") != "1",
+    reason="every policy on a 2x4 mesh takes ~5 CPU-minutes; set KVJAX_TEST_SHARDING_ALL=1",
+)
+def test_every_policy_and_replicated_heads():
+    spec = ",".join(f"2x4:{name}" for name in ALL_POLICIES) + ",1x8:full:replicate"
+    out = run_worker("--generate", spec, "--train", "2x4")
+    for run in out["generate"]:
+        _check_generation(run)
+    replicated = out["generate"][-1]
+    assert not replicated["heads_sharded"] and replicated["mlp_sharded"]
+    (train,) = out["train"]
+    assert train["microbatch"] == 4
+    assert train["loss_data_parallel"] == pytest.approx(train["loss_accumulated"], rel=1e-6)
+    assert train["grad_max_diff"] <= 1e-5 * train["grad_max_abs"]
+
+
+# ------------------------------------------------------------------ in-process (one device is enough)
+
+
+def test_mesh_and_plan_errors_name_the_problem():
+    import jax
+
+    from kvjax.config import ModelConfig
+    from kvjax.distributed import make_mesh, plan_for
+
+    with pytest.raises(ValueError, match=r"needs 1024 devices but \d+ are visible"):
+        make_mesh(32, 32)
+    with pytest.raises(ValueError, match="mesh sizes must be >= 1"):
+        make_mesh(0, 1)
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    cfg = ModelConfig(model_type="llama", vocab_size=11, hidden_size=8, intermediate_size=8, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=16)
+    plan = plan_for(cfg, mesh)
+    assert (plan.data, plan.model, plan.heads, plan.mlp, plan.head_shards) == (1, 1, False, False, 1)
+    with pytest.raises(ValueError, match="on_indivisible"):
+        plan_for(cfg, mesh, on_indivisible="pad")
+
+
+def test_param_specs_split_heads_and_mlp():
+    from jax.sharding import PartitionSpec as P
+
+    from kvjax.config import ModelConfig
+    from kvjax.distributed import param_specs
+    from kvjax.distributed.mesh import ShardingPlan
+    from kvjax.loading import param_shapes
+
+    cfg = ModelConfig(model_type="llama", vocab_size=11, hidden_size=8, intermediate_size=8, num_layers=1,
+                      num_heads=2, num_kv_heads=2, head_dim=4, max_position_embeddings=16)
+    specs = param_specs(param_shapes(cfg, np.float32), ShardingPlan(data=1, model=2, heads=True, mlp=True))
+    layer = specs["layers_0"]
+    assert layer["self_attn"]["q_proj"]["kernel"] == P(None, "model")
+    assert layer["self_attn"]["k_proj"]["kernel"] == P(None, "model")
+    assert layer["self_attn"]["o_proj"]["kernel"] == P("model", None)
+    assert layer["mlp"]["up_proj"]["kernel"] == P(None, "model")
+    assert layer["mlp"]["down_proj"]["kernel"] == P("model", None)
+    assert layer["input_layernorm"]["scale"] == P() and specs["embed_tokens"]["embedding"] == P()
+    heads_only = param_specs(param_shapes(cfg, np.float32), ShardingPlan(data=1, model=2, heads=True, mlp=False))
+    assert heads_only["layers_0"]["mlp"]["down_proj"]["kernel"] == P()

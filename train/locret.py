@@ -1,0 +1,208 @@
+"""Train Locret's retaining heads on a frozen model (`kvjax train locret`).
+
+    python -m train.locret --model DIR --data Yukang/LongAlpaca-12k --out runs/locret
+    python -m train.locret --model kvjax/assets/tiny-llama --data rows.jsonl --steps 200 --warmup 50
+
+Data: LongAlpaca's fields (`instruction`, `output`) from the hub or a local json / jsonl / parquet file;
+bad rows are skipped and counted. Each step computes labels through kvjax's chunked-prefill forward of
+the frozen model and takes one AdamW step on the heads (DESIGN.md's defaults: lr 5e-4, betas 0.9 / 0.95,
+warm-up 2000 of 3000 steps, clip by value 0.5, batch 1, sequences cut to 10240 tokens).
+
+Outputs in `--out`: `metrics.jsonl` (one line per step), `checkpoints/` (orbax CheckpointManager, every
+`--save-every` steps), and at the end `heads/` (orbax, for `make_policy("locret", heads=...)`),
+`heads.safetensors` and `summary.json` (throughput over steps that did not compile). A run started again with the same `--out` resumes
+from its latest checkpoint and repeats exactly what an uninterrupted run does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+DEFAULTS = dict(
+    steps=3000, warmup=2000, lr=5e-4, b1=0.9, b2=0.95, weight_decay=0.01, clip=0.5, alpha=0.0025,
+    batch_size=1, max_length=10240, max_answer=512, chunk_size=1024, hidden=1024, save_every=500,
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvjax train locret", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="local Hugging Face model directory (frozen)")
+    p.add_argument("--data", required=True, help="hub dataset name or a local .json/.jsonl/.parquet file")
+    p.add_argument("--split", default="train", help="hub split (default train)")
+    p.add_argument("--out", default="runs/locret", help="output directory (resumed when it holds checkpoints)")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="linear warm-up steps")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    p.add_argument("--b1", type=float, default=DEFAULTS["b1"])
+    p.add_argument("--b2", type=float, default=DEFAULTS["b2"])
+    p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
+    p.add_argument("--clip", type=float, default=DEFAULTS["clip"], help="clip each gradient entry to [-clip, clip]")
+    p.add_argument("--alpha", type=float, default=DEFAULTS["alpha"], help="weight of the smoothness term")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
+    p.add_argument("--max-length", type=int, default=DEFAULTS["max_length"], help="tokens per sequence, at most")
+    p.add_argument("--max-answer", type=int, default=DEFAULTS["max_answer"], help="answer tokens per sequence, at most")
+    p.add_argument("--chunk-size", type=int, default=DEFAULTS["chunk_size"], help="prefill chunk of the label forward")
+    p.add_argument("--hidden", type=int, default=DEFAULTS["hidden"], help="retaining-head hidden size")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model compute dtype")
+    p.add_argument("--save-every", type=int, default=DEFAULTS["save_every"], help="checkpoint every N steps")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    p.add_argument("--limit", type=int, default=None, help="use at most this many examples")
+    p.add_argument("--seed", type=int, default=0, help="heads' initialisation and data order")
+    p.add_argument("--no-resume", action="store_true", help="start afresh even if --out holds checkpoints")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # simulate a kill (tests)
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "chunk_size", "hidden", "save_every", "max_length", "max_answer"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.warmup <= args.steps:
+        p.error(f"--warmup must be in [0, --steps={args.steps}], got {args.warmup}")
+    return args
+
+
+@functools.lru_cache(maxsize=4)
+def _optimizer_and_step(options: tuple, cfg, dtype, chunk_size: int, alpha: float):
+    """The optimizer and jitted train step, cached so that runs in one process (resume tests, sweeps)
+    share a compile."""
+    from kvjax.locret.training import make_optimizer, make_train_step
+
+    optimizer = make_optimizer(**dict(options))
+    return optimizer, make_train_step(optimizer, cfg=cfg, dtype=dtype, chunk_size=chunk_size, alpha=alpha)
+
+
+def _manager(directory: str, save_every: int, keep: int):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=keep, enable_async_checkpointing=False)
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_names=("state", "meta"))
+
+
+def _restore(manager, template):
+    import jax
+    import orbax.checkpoint as ocp
+
+    step = manager.latest_step()
+    if step is None:
+        return None
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    return step, restored["state"], restored["meta"]
+
+
+def _truncate_metrics(path: str, last_step: int) -> None:
+    """Drop metric lines past the restored step (a killed run may have logged steps it never saved)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [l for l in f if l.strip() and json.loads(l)["step"] <= last_step]
+    with open(path, "w") as f:
+        f.writelines(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    import kvjax
+    from kvjax.locret import HeadsConfig, RetainingHeads, export_safetensors, init_heads, save_heads
+    from kvjax.locret.data import batch_indices, build_examples, make_batch
+    from kvjax.locret.training import lr_schedule
+
+    model = kvjax.load_model(args.model, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise SystemExit(f"{args.model!r} has no tokenizer; training needs one to read the data")
+    examples, skipped = build_examples(
+        args.data, model.tokenizer, args.max_length, args.max_answer, args.split, args.limit, not args.no_progress
+    )
+    if skipped:
+        print(f"skipped {sum(skipped.values())} bad rows: {dict(skipped)}", file=sys.stderr)
+    if not examples:
+        raise SystemExit(f"no usable rows in {args.data!r} (skipped: {dict(skipped)})")
+
+    config = HeadsConfig.for_model(model.cfg, args.hidden)
+    heads = init_heads(config, args.seed).params
+    options = dict(
+        learning_rate=args.lr, total_steps=args.steps, warmup_steps=args.warmup, b1=args.b1, b2=args.b2,
+        weight_decay=args.weight_decay, clip_value=args.clip,
+    )
+    optimizer, step_fn = _optimizer_and_step(tuple(sorted(options.items())), model.cfg, model.dtype, args.chunk_size, args.alpha)
+    opt_state = optimizer.init(heads)
+    schedule = lr_schedule(args.lr, args.steps, args.warmup)
+
+    os.makedirs(args.out, exist_ok=True)
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    manager = _manager(os.path.join(args.out, "checkpoints"), args.save_every, args.keep)
+    start = 0
+    restored = None if args.no_resume else _restore(manager, {"heads": heads, "opt_state": opt_state})
+    if restored is not None:
+        start, state, meta = restored
+        heads, opt_state = state["heads"], state["opt_state"]
+        print(f"resumed from step {start} ({meta})", file=sys.stderr)
+        _truncate_metrics(metrics_path, start)
+    elif os.path.exists(metrics_path):
+        os.remove(metrics_path)
+
+    timed_steps, timed_seconds, timed_tokens = 0, 0.0, 0
+    shapes_seen = set()  # a step with a new padded shape compiles: throughput leaves it out
+    loss = float("nan")
+    bar = tqdm(total=args.steps, initial=start, desc="locret", unit="step", disable=args.no_progress)
+    with open(metrics_path, "a") as log:
+        for step in range(start, args.steps):
+            if args.stop_after is not None and step - start >= args.stop_after:
+                break
+            batch = make_batch([examples[i] for i in batch_indices(step, args.batch_size, len(examples), args.seed)], args.chunk_size)
+            tokens = int(batch.prefix_len.sum() + batch.answer_len.sum())
+            began = time.perf_counter()
+            heads, opt_state, loss_array = step_fn(heads, opt_state, model.params, jax.tree_util.tree_map(jnp.asarray, batch))
+            loss = float(loss_array)
+            seconds = time.perf_counter() - began
+            shape = (batch.prefix.shape, batch.answer.shape)
+            if shape in shapes_seen:
+                timed_steps, timed_seconds, timed_tokens = timed_steps + 1, timed_seconds + seconds, timed_tokens + tokens
+            shapes_seen.add(shape)
+            log.write(json.dumps({"step": step + 1, "loss": loss, "lr": float(schedule(step)), "tokens": tokens, "seconds": seconds}) + "\n")
+            log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+                manager.save(
+                    step + 1,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardSave({"heads": heads, "opt_state": opt_state}),
+                        meta=ocp.args.JsonSave({"step": step + 1, "loss": loss, "data": args.data}),
+                    ),
+                    force=True,
+                )
+    bar.close()
+    manager.wait_until_finished()
+    manager.close()
+    summary = {
+        "steps_done": manager.latest_step() if args.stop_after is not None else args.steps,
+        "final_loss": loss,
+        "examples": len(examples),
+        "skipped": dict(skipped),
+        "steps_per_second": timed_steps / timed_seconds if timed_seconds else None,
+        "tokens_per_second": timed_tokens / timed_seconds if timed_seconds else None,
+        "timed_steps": timed_steps,
+        "args": vars(args),
+    }
+    if args.stop_after is None:
+        final = RetainingHeads(config, heads)
+        save_heads(os.path.join(args.out, "heads"), final, extra={"model": os.path.abspath(args.model), "steps": args.steps})
+        export_safetensors(final, os.path.join(args.out, "heads.safetensors"))
+        with open(os.path.join(args.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
