@@ -63,12 +63,14 @@ def time_decode(model, policy, prompts: Sequence[Sequence[int]], steps: int = 16
 def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequence[int] = (64, 128),
               lengths: Sequence[int] = (2048,), tasks: Sequence[str] = ("passkey", "multikey"), num_samples: int = 20,
               num_records: int = 4, seed: int = 0, dense_layers: int = DEFAULT_DENSE_LAYERS, batch_size: int = 8,
-              latency: bool = True, progress: bool = True, checkpoint: str | None = None) -> dict:
+              latency: bool = True, progress: bool = True, checkpoint: str | None = None,
+              clear_compiled: bool = True) -> dict:
     """Accuracy rows {task, length, policy, budget, accuracy, correct, samples} and latency rows.
 
     With `checkpoint` (a jsonl path), each finished cell is appended there, and cells already in it (same
     task, length, policy, budget, samples, records, seed and dense_layers) are not run again: a killed
-    sweep resumes where it stopped."""
+    sweep resumes where it stopped. `clear_compiled` drops JAX's in-memory compiled steps after each cell
+    (long sweeps; a short run such as the demo keeps them, so its latency pass reuses them)."""
     from tqdm import tqdm
 
     cells = [(t, n, p, b) for t in tasks for n in lengths for p in policies for b in ((None,) if p == "full" else budgets)]
@@ -98,7 +100,8 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
         })
         # every (policy, budget) compiles its own steps; dropping them bounds the process's memory maps (a
         # full sweep otherwise ended in "LLVM compilation error: Cannot allocate memory" here after ~30 cells)
-        jax.clear_caches()
+        if clear_compiled:
+            jax.clear_caches()
         if checkpoint:
             with open(checkpoint, "a") as f:
                 f.write(json.dumps({**rows[-1], "setting": setting}) + "\n")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import functools
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +168,26 @@ def _compress_step(state: KVState, window, final=None, *, num_layers: int, polic
     return state.replace(read_pages=read_pages)
 
 
+class StepBackend(NamedTuple):
+    """Where the host loop's state lives and which jitted steps advance it: one device (`LOCAL_BACKEND`) or a
+    device mesh (`kvjax.distributed`, which stacks one state per shard). The prefill, decode and generate
+    loops below are written once against it."""
+
+    new_state: Callable[..., KVState]  # (cfg, B, capacity, page_size, num_pages, dtype, long_rope, read_pages)
+    append_step: Callable  # `_append_step`'s signature
+    compress_step: Callable  # `_compress_step`'s signature
+    overflow_error: Callable[[KVState], Exception | None]
+    put: Callable[[Any], jax.Array]  # a host array with a leading batch axis -> a device array
+
+
+def _local_state(cfg, batch, capacity, page_size, num_pages, dtype, long_rope, read_pages) -> KVState:
+    state = init_state(cfg, batch, capacity, page_size, num_pages=num_pages, dtype=dtype, long_rope=long_rope)
+    return state.replace(read_pages=read_pages)
+
+
+LOCAL_BACKEND = StepBackend(_local_state, _append_step, _compress_step, overflow_error, jnp.asarray)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "long_rope"))
 def _dense_logits(params, tokens, *, cfg: ModelConfig, dtype, long_rope: bool):
     B, T = tokens.shape
@@ -271,6 +291,7 @@ def _prefill_rows(
     chunk_size: int,
     declared_length: int,
     reserve_tokens: int,
+    backend: StepBackend = LOCAL_BACKEND,
 ) -> tuple[KVState, jax.Array]:
     cfg = model.cfg
     policy.validate(page_size)
@@ -291,10 +312,9 @@ def _prefill_rows(
         bounded = min(full, pages_for(_bucketed(slots_needed), page_size))
         read_bound = tuple(bounded if policy.compresses_layer(l) else full for l in range(cfg.num_layers))
         num_pages = B * cfg.num_kv_heads * sum(read_bound)
-    state = init_state(
-        cfg, B, capacity, page_size, num_pages=num_pages, dtype=model.dtype,
-        long_rope=uses_long_factors(cfg, declared_length),
-    ).replace(read_pages=read_bound)
+    state = backend.new_state(
+        cfg, B, capacity, page_size, num_pages, model.dtype, uses_long_factors(cfg, declared_length), read_bound
+    )
     keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths - tails)
     policy_params = policy.device_params()
 
@@ -308,23 +328,23 @@ def _prefill_rows(
         last_chunk = -(-part_len // C) - 1
         for i in range(num_chunks):
             num_new = np.clip(part_len - i * C, 0, C).astype(np.int32)
-            state, window, logits = _append_step(
-                model.params, state, window, jnp.asarray(padded[:, i * C : (i + 1) * C]), jnp.asarray(num_new),
+            state, window, logits = backend.append_step(
+                model.params, state, window, backend.put(padded[:, i * C : (i + 1) * C]), backend.put(num_new),
                 logits, policy_params, cfg=cfg, dtype=model.dtype, policy=policy,
             )
             if compress:
-                state = _compress_step(
-                    state, window, jnp.asarray(i >= last_chunk), num_layers=cfg.num_layers, policy=policy,
+                state = backend.compress_step(
+                    state, window, backend.put(i >= last_chunk), num_layers=cfg.num_layers, policy=policy,
                     keep_bound=keep_bound, read_pages=read_bound,
                 )
         return state, window, logits
 
-    logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+    logits = backend.put(jnp.zeros((B, cfg.vocab_size), jnp.float32))
     window = new_window(cfg, B, policy.window_size, model.dtype) if policy.compresses else None
     state, window, logits = run_chunks(state, window, logits, [r[: len(r) - t] for r, t in zip(rows, tails)], per_chunk)
     if tails.any():
         state, window, logits = run_chunks(state, window, logits, [r[len(r) - t :] for r, t in zip(rows, tails)], False)
-    error = overflow_error(state)
+    error = backend.overflow_error(state)
     if error is not None:
         raise error
     if policy.compresses and not per_chunk:
@@ -332,7 +352,7 @@ def _prefill_rows(
         grow = 1 if policy.evicts_while_decoding else reserve_tokens
         bounded = min(state.max_pages, pages_for(_bucketed(keep_bound + grow), page_size))
         read_pages = tuple(bounded if policy.compresses_layer(l) else state.max_pages for l in range(cfg.num_layers))
-        state = _compress_step(state, window, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages)
+        state = backend.compress_step(state, window, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages)
     return state, logits
 
 
@@ -382,12 +402,14 @@ def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None =
     return logits, state
 
 
-def _decode(model: Model, state: KVState, tokens: jax.Array, policy: Policy) -> tuple[jax.Array, KVState]:
+def _decode(
+    model: Model, state: KVState, tokens: jax.Array, policy: Policy, backend: StepBackend = LOCAL_BACKEND
+) -> tuple[jax.Array, KVState]:
     B = tokens.shape[0]
-    state, _, logits = _append_step(
-        model.params, state, None, tokens[:, None], jnp.ones((B,), jnp.int32),
-        jnp.zeros((B, model.cfg.vocab_size), jnp.float32), policy.device_params(), cfg=model.cfg, dtype=model.dtype,
-        policy=policy,
+    state, _, logits = backend.append_step(
+        model.params, state, None, backend.put(tokens[:, None]), backend.put(jnp.ones((B,), jnp.int32)),
+        backend.put(jnp.zeros((B, model.cfg.vocab_size), jnp.float32)), policy.device_params(), cfg=model.cfg,
+        dtype=model.dtype, policy=policy,
     )
     return logits, state
 
@@ -416,11 +438,24 @@ def generate(
     `decode_last=N` prefills all but the last N prompt tokens and feeds those N one at a time as decode
     steps (Quest's protocol: the question arrives after compression). `eos_token_id` defaults to the model's.
     """
+    rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
+    return _generate_rows(
+        model, rows, max_new_tokens, policy, decode_last=decode_last, temperature=temperature, top_k=top_k,
+        top_p=top_p, seed=seed, page_size=page_size, capacity=capacity, chunk_size=chunk_size,
+        eos_token_id=eos_token_id, return_logprobs=return_logprobs,
+    )
+
+
+def _generate_rows(
+    model: Model, rows: list[np.ndarray], max_new_tokens: int, policy: Policy | None, *, decode_last: int,
+    temperature: float, top_k: int, top_p: float, seed: int, page_size: int, capacity: int | None, chunk_size: int,
+    eos_token_id, return_logprobs: bool, backend: StepBackend = LOCAL_BACKEND,
+):
+    """`generate` on validated token rows, with the state on `backend` (one device or a mesh)."""
     policy = _policy_or_full(policy)
     validate_sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
     shortest, longest = min(len(r) for r in rows), max(len(r) for r in rows)
     if not 0 <= decode_last < shortest:
         raise ValueError(f"decode_last must be in [0, shortest prompt length {shortest}), got {decode_last}")
@@ -430,11 +465,11 @@ def generate(
 
     state, logits = _prefill_rows(
         model, [r[: len(r) - decode_last] for r in rows], policy, page_size, capacity, chunk_size, needed,
-        max_new_tokens + decode_last,
+        max_new_tokens + decode_last, backend,
     )
     for j in range(decode_last):
         step_tokens = jnp.asarray([r[len(r) - decode_last + j] for r in rows], jnp.int32)
-        logits, state = _decode(model, state, step_tokens, policy)
+        logits, state = _decode(model, state, step_tokens, policy, backend)
 
     B = len(rows)
     out = np.full((B, max_new_tokens), -1, np.int32)
@@ -451,8 +486,8 @@ def generate(
         done |= np.isin(tokens_host, eos_array)
         if done.all() or t == max_new_tokens - 1:
             break
-        logits, state = _decode(model, state, tokens, policy)
-    error = overflow_error(state)
+        logits, state = _decode(model, state, tokens, policy, backend)
+    error = backend.overflow_error(state)
     if error is not None:
         raise error
     return (out, out_logprobs) if return_logprobs else out

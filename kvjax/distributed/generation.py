@@ -27,23 +27,20 @@ from kvjax.config import ModelConfig
 from kvjax.distributed.mesh import AXES, DATA, ShardingPlan, plan_for, shard_params
 from kvjax.distributed.state import head_axis, init_sharded_state, per_shard, sharded_overflow_error, state_spec
 from kvjax.generation import (
+    StepBackend,
     _bucketed,
-    _chunk_size_for,
+    _generate_rows,
     _keep_last,
     _layer_view,
     _policy_or_full,
-    _sample,
-    _warn_sliding_window,
+    _prefill_rows,
     as_token_lists,
-    new_window,
-    raise_capacity,
 )
 from kvjax.loading import Model
 from kvjax.models import CausalLM
 from kvjax.policies import LayerView, Policy
-from kvjax.rope import rope_frequencies, uses_long_factors
-from kvjax.sampling import validate_sampling
-from kvjax.state import KVState, add_slot_scores, allocate_for_append, append_to_layer, pages_for
+from kvjax.rope import rope_frequencies
+from kvjax.state import KVState, add_slot_scores, allocate_for_append, append_to_layer
 
 # Traces (compiles) of the sharded steps, by name and input shape, as kvjax.generation.TRACE_COUNTS.
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -199,89 +196,20 @@ def _padded_rows(rows: list[np.ndarray], data: int) -> list[np.ndarray]:
     return rows + [rows[0]] * (-len(rows) % data)
 
 
-def _sharded_prefill_rows(
-    model: Model, rows, policy: Policy, mesh: Mesh, plan: ShardingPlan, page_size: int, capacity: int,
-    chunk_size: int, declared_length: int, reserve_tokens: int,
-) -> tuple[KVState, jax.Array]:
-    """`kvjax.generation._prefill_rows` into a stacked state on `mesh` (the same chunking, per-chunk
-    compression and tail, and the same pool size in total)."""
-    cfg = model.cfg
-    policy.validate(page_size)
-    _warn_sliding_window(cfg, declared_length)
-    lengths = np.array([len(r) for r in rows], np.int32)
-    B = len(rows)
-    slots_needed = max(policy.slots_needed(int(n), reserve_tokens, chunk_size) for n in lengths)
-    if slots_needed > pages_for(capacity, page_size) * page_size:
-        raise_capacity(slots_needed, capacity, page_size)
-
-    per_chunk = policy.compresses and policy.compresses_each_chunk
-    tails = np.array([policy.prefill_tail(int(n)) if per_chunk else 0 for n in lengths], np.int32)
-    num_pages = read_bound = None
-    if per_chunk:
-        full = pages_for(capacity, page_size)
-        bounded = min(full, pages_for(_bucketed(slots_needed), page_size))
-        read_bound = tuple(bounded if policy.compresses_layer(l) else full for l in range(cfg.num_layers))
-        num_pages = B * cfg.num_kv_heads * sum(read_bound)
-    state = init_sharded_state(
-        cfg, B, capacity, page_size, mesh, plan, num_pages, model.dtype, uses_long_factors(cfg, declared_length),
-        read_bound,
-    )
-    keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths - tails)
-    policy_params = policy.device_params()
+def _backend(mesh: Mesh, plan: ShardingPlan) -> StepBackend:
+    """The host loops of `kvjax.generation` with a stacked state on `mesh` and the sharded steps."""
     batch = NamedSharding(mesh, P(DATA))
-    steps = {"cfg": cfg, "mesh": mesh, "plan": plan, "policy": policy}
 
-    def run_chunks(state, window, logits, part: list, compress: bool):
-        part_len = np.array([len(r) for r in part], np.int32)
-        C = _chunk_size_for(int(part_len.max()), chunk_size)
-        num_chunks = -(-int(part_len.max()) // C)
-        padded = np.zeros((B, num_chunks * C), np.int32)
-        for i, row in enumerate(part):
-            padded[i, : len(row)] = row
-        last_chunk = -(-part_len // C) - 1
-        for i in range(num_chunks):
-            num_new = np.clip(part_len - i * C, 0, C).astype(np.int32)
-            state, window, logits = _sharded_append_step(
-                model.params, state, window, jax.device_put(padded[:, i * C : (i + 1) * C], batch),
-                jax.device_put(num_new, batch), logits, policy_params, dtype=model.dtype, **steps,
-            )
-            if compress:
-                state = _sharded_compress_step(
-                    state, window, jax.device_put(i >= last_chunk, batch), num_layers=cfg.num_layers,
-                    policy=policy, keep_bound=keep_bound, read_pages=read_bound, mesh=mesh, plan=plan,
-                )
-        return state, window, logits
+    def new_state(cfg, B, capacity, page_size, num_pages, dtype, long_rope, read_pages):
+        return init_sharded_state(cfg, B, capacity, page_size, mesh, plan, num_pages, dtype, long_rope, read_pages)
 
-    logits = jax.device_put(jnp.zeros((B, cfg.vocab_size), jnp.float32), batch)
-    window = new_window(cfg, B, policy.window_size, model.dtype) if policy.compresses else None
-    state, window, logits = run_chunks(state, window, logits, [r[: len(r) - t] for r, t in zip(rows, tails)], per_chunk)
-    if tails.any():
-        state, window, logits = run_chunks(state, window, logits, [r[len(r) - t :] for r, t in zip(rows, tails)], False)
-    error = sharded_overflow_error(state)
-    if error is not None:
-        raise error
-    if policy.compresses and not per_chunk:
-        keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths)
-        grow = 1 if policy.evicts_while_decoding else reserve_tokens
-        bounded = min(state.max_pages, pages_for(_bucketed(keep_bound + grow), page_size))
-        read_pages = tuple(bounded if policy.compresses_layer(l) else state.max_pages for l in range(cfg.num_layers))
-        state = _sharded_compress_step(
-            state, window, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages,
-            mesh=mesh, plan=plan,
-        )
-    return state, logits
-
-
-def _sharded_decode(model: Model, state, tokens, policy, mesh: Mesh, plan: ShardingPlan):
-    B = tokens.shape[0]
-    batch = NamedSharding(mesh, P(DATA))
-    state, _, logits = _sharded_append_step(
-        model.params, state, None, jax.device_put(tokens[:, None], NamedSharding(mesh, P(DATA, None))),
-        jax.device_put(jnp.ones((B,), jnp.int32), batch),
-        jax.device_put(jnp.zeros((B, model.cfg.vocab_size), jnp.float32), batch), policy.device_params(),
-        cfg=model.cfg, dtype=model.dtype, policy=policy, mesh=mesh, plan=plan,
+    return StepBackend(
+        new_state,
+        functools.partial(_sharded_append_step, mesh=mesh, plan=plan),
+        functools.partial(_sharded_compress_step, mesh=mesh, plan=plan),
+        sharded_overflow_error,
+        lambda x: jax.device_put(x, batch),
     )
-    return logits, state
 
 
 def _placed(model: Model, mesh: Mesh, on_indivisible: str) -> tuple[Model, ShardingPlan]:
@@ -302,8 +230,8 @@ def prefill_sharded(
         declared, reserve, capacity = longest + max_new_tokens, max_new_tokens, _bucketed(longest + max_new_tokens)
     else:
         declared, reserve = capacity, 0
-    state, logits = _sharded_prefill_rows(
-        model, rows, policy, mesh, plan, page_size, capacity, chunk_size, declared, reserve
+    state, logits = _prefill_rows(
+        model, rows, policy, page_size, capacity, chunk_size, declared, reserve, _backend(mesh, plan)
     )
     return state, logits, plan
 
@@ -330,46 +258,13 @@ def generate_sharded(
     """`kvjax.generate` over a ("data", "model") mesh (`kvjax.distributed.make_mesh`): same arguments
     and results. Heads and the MLP are split over "model", sequences over "data" (see `plan_for` for
     `on_indivisible`); each device keeps the KV pages of its own sequences and heads."""
-    policy = _policy_or_full(policy)
-    validate_sampling(temperature, top_k, top_p)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     model, plan = _placed(model, mesh, on_indivisible)
     given = as_token_lists(prompt_ids, model.cfg.vocab_size)
-    rows = _padded_rows(given, plan.data)
-    shortest, longest = min(len(r) for r in rows), max(len(r) for r in rows)
-    if not 0 <= decode_last < shortest:
-        raise ValueError(f"decode_last must be in [0, shortest prompt length {shortest}), got {decode_last}")
-    needed = longest + max_new_tokens
-    capacity = _bucketed(needed) if capacity is None else capacity
-    eos = model.eos_token_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
-
-    state, logits = _sharded_prefill_rows(
-        model, [r[: len(r) - decode_last] for r in rows], policy, mesh, plan, page_size, capacity, chunk_size,
-        needed, max_new_tokens + decode_last,
+    result = _generate_rows(
+        model, _padded_rows(given, plan.data), max_new_tokens, policy, decode_last=decode_last,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, page_size=page_size, capacity=capacity,
+        chunk_size=chunk_size, eos_token_id=eos_token_id, return_logprobs=return_logprobs,
+        backend=_backend(mesh, plan),
     )
-    for j in range(decode_last):
-        step_tokens = jnp.asarray([r[len(r) - decode_last + j] for r in rows], jnp.int32)
-        logits, state = _sharded_decode(model, state, step_tokens, policy, mesh, plan)
-
-    B = len(rows)
-    out = np.full((B, max_new_tokens), -1, np.int32)
-    out_logprobs = np.full((B, max_new_tokens), np.nan, np.float32)
-    done = np.zeros(B, bool)
-    key = jax.random.PRNGKey(seed)
-    eos_array = np.asarray(eos, np.int32)
-    for t in range(max_new_tokens):
-        key, step_key = jax.random.split(key)
-        tokens, logprobs = _sample(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)
-        tokens_host, logprobs_host = np.asarray(tokens), np.asarray(logprobs)
-        out[~done, t] = tokens_host[~done]
-        out_logprobs[~done, t] = logprobs_host[~done]
-        done |= np.isin(tokens_host, eos_array)
-        if done.all() or t == max_new_tokens - 1:
-            break
-        logits, state = _sharded_decode(model, state, tokens, policy, mesh, plan)
-    error = sharded_overflow_error(state)
-    if error is not None:
-        raise error
     n = len(given)
-    return (out[:n], out_logprobs[:n]) if return_logprobs else out[:n]
+    return (result[0][:n], result[1][:n]) if return_logprobs else result[:n]
