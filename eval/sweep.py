@@ -41,8 +41,6 @@ def build_policy(name: str, budget: int | None, dense_layers: int = DEFAULT_DENS
 
 def time_decode(model, policy, prompts: Sequence[Sequence[int]], steps: int = 16) -> dict:
     """Prefill `prompts`, then time `steps` decode steps after one warm-up step: ms per step (median)."""
-    import jax
-
     import kvjax
 
     state, logits = kvjax.prefill(model, prompts, policy, max_new_tokens=steps + 8)

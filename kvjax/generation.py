@@ -86,6 +86,55 @@ def new_window(cfg: ModelConfig, batch: int, size: int, dtype):
     }
 
 
+def _append_and_attend(state: KVState, layer: int, q, k, v, positions, num_new, *, policy: Policy, decoding: bool,
+                       need_probs: bool, score=None):
+    """One layer of an append step on one state (a whole state, or one shard's): write the chunk's k/v, then
+    attend, through the policy's page selection when decoding. With `need_probs`, also the chunk's attention
+    probabilities `f32[B, H, G, C, S]` (padding rows zeroed), added to `slot_score` for accumulating
+    policies. Returns `(state, out [B, C, Hq, D], probs or None)`."""
+    state = append_to_layer(state, layer, k, v, positions, num_new, score=score)
+    selected = policy.select_pages(layer, q[:, 0], state) if decoding else None
+    if selected is not None:
+        return state, sparse_decode_attention(q, state, layer, selected), None
+    if not need_probs:
+        if decoding:
+            return state, dense_decode_attention(q, state, layer), None
+        return state, blocked_paged_attention(q, positions, state, layer), None
+    out, probs = paged_attention(q, positions, state, layer, return_probs=True)
+    real = (jnp.arange(q.shape[1])[None, :] < num_new[:, None])[:, None, None, :, None]
+    probs = jnp.where(real, probs, 0.0)
+    if policy.accumulates_attention:
+        state = add_slot_scores(state, layer, probs.sum(axis=(2, 3)))
+    return state, out, probs
+
+
+def _decode_victim(policy: Policy, view: LayerView) -> jax.Array:
+    """int32[B, H]: each head's lowest-scoring valid slot after a decode step (policies evicting while decoding)."""
+    scores = jnp.where(view.valid, policy.decode_scores(view), jnp.inf)
+    return jnp.argmin(scores, axis=-1).astype(jnp.int32)
+
+
+def _over_decode_budget(state: KVState, layer: int, policy: Policy) -> jax.Array:
+    """bool[B, H]: heads holding more than the policy's decode budget (a pending hole does not count)."""
+    return state.lengths[layer] - (state.hole[layer] >= 0) > policy.decode_budget(0)
+
+
+def _forward_chunk(params, cfg: ModelConfig, dtype, tokens, positions, num_new, last_logits, attend, state, window,
+                   window_q: list):
+    """The model over one chunk with `attend` (which appends each layer's window queries to `window_q`).
+    Returns `(state, window carry, logits f32[B, V])`: logits at each row's last real token, `last_logits`
+    where a row has none."""
+    B, C = tokens.shape
+    module = CausalLM(cfg, dtype)
+    rope = rope_frequencies(cfg, state.long_rope)
+    hidden, state = module.apply({"params": params}, tokens, positions, rope, attend, state)
+    if window is not None:
+        window = {"q": jnp.stack(window_q), "pos": _keep_last(window["pos"], positions, num_new)}
+    last = jnp.clip(num_new - 1, 0, C - 1)
+    logits = module.apply({"params": params}, hidden[jnp.arange(B), last], method=CausalLM.logits)
+    return state, window, jnp.where((num_new > 0)[:, None], logits, last_logits)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "policy"), donate_argnames=("state", "window"))
 def _append_step(
     params, state: KVState, window, tokens, num_new, last_logits, policy_params=None, *, cfg: ModelConfig, dtype, policy: Policy
@@ -107,46 +156,24 @@ def _append_step(
 
     def attend(layer, inputs, state):
         compressed = policy.compresses_layer(layer)
+        need_probs = compressed and (policy.accumulates_attention or (decoding and policy.evicts_while_decoding))
         score = policy.append_scores(layer, inputs, policy_params) if compressed else None
-        state = append_to_layer(state, layer, inputs.k, inputs.v, inputs.positions, num_new, score=score)
-        need_probs = compressed and (
-            policy.accumulates_attention or (decoding and policy.evicts_while_decoding)
+        state, out, probs = _append_and_attend(
+            state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, policy=policy, decoding=decoding,
+            need_probs=need_probs, score=score,
         )
-        selected = policy.select_pages(layer, inputs.q[:, 0], state) if decoding else None
-        if selected is not None:
-            out = sparse_decode_attention(inputs.q, state, layer, selected)
-        elif decoding and not need_probs:
-            out = dense_decode_attention(inputs.q, state, layer)
-        elif not need_probs:
-            out = blocked_paged_attention(inputs.q, inputs.positions, state, layer)
-        else:
-            out = paged_attention(inputs.q, inputs.positions, state, layer, return_probs=need_probs)
-        if need_probs:
-            out, probs = out  # [B, H, G, T, S]
-            real = (jnp.arange(C)[None, :] < num_new[:, None])[:, None, None, :, None]
-            probs = jnp.where(real, probs, 0.0)
-            if policy.accumulates_attention:
-                state = add_slot_scores(state, layer, probs.sum(axis=(2, 3)))
-            if decoding and policy.evicts_while_decoding:
-                view = _layer_view(state, layer, cfg.num_layers, seen, probs=probs[:, :, :, 0])
-                scores = jnp.where(view.valid, policy.decode_scores(view), jnp.inf)
-                victim = jnp.argmin(scores, axis=-1).astype(jnp.int32)
-                held = state.lengths[layer] - (state.hole[layer] >= 0)
-                over = held > policy.decode_budget(0)
-                state = evict_one_slot(state, layer, victim, over, view.k)
+        if probs is not None and decoding and policy.evicts_while_decoding:
+            view = _layer_view(state, layer, cfg.num_layers, seen, probs=probs[:, :, :, 0])
+            state = evict_one_slot(
+                state, layer, _decode_victim(policy, view), _over_decode_budget(state, layer, policy), view.k
+            )
         if window is not None:
             window_q.append(_keep_last(window["q"][layer], inputs.q, num_new))
         return out, state
 
-    module = CausalLM(cfg, dtype)
-    rope = rope_frequencies(cfg, state.long_rope)
-    hidden, state = module.apply({"params": params}, tokens, positions, rope, attend, state)
-    if window is not None:
-        window = {"q": jnp.stack(window_q), "pos": _keep_last(window["pos"], positions, num_new)}
-    last = jnp.clip(num_new - 1, 0, C - 1)
-    last_hidden = hidden[jnp.arange(B), last]  # [B, hidden]
-    logits = module.apply({"params": params}, last_hidden, method=CausalLM.logits)
-    logits = jnp.where((num_new > 0)[:, None], logits, last_logits)
+    state, window, logits = _forward_chunk(
+        params, cfg, dtype, tokens, positions, num_new, last_logits, attend, state, window, window_q
+    )
     return state.replace(next_position=seen), window, logits
 
 
@@ -188,20 +215,25 @@ def _local_state(cfg, batch, capacity, page_size, num_pages, dtype, long_rope, r
 LOCAL_BACKEND = StepBackend(_local_state, _append_step, _compress_step, overflow_error, jnp.asarray)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "long_rope"))
-def _dense_logits(params, tokens, *, cfg: ModelConfig, dtype, long_rope: bool):
+def dense_forward(params, tokens, cfg: ModelConfig, dtype=jnp.float32, long_rope: bool = False) -> jax.Array:
+    """Dense causal forward, no cache: `tokens int32[B, T]` at positions 0..T-1 -> logits `f32[B, T, V]`.
+    Differentiable and not jitted (the default model's training calls it inside its own jitted step)."""
     B, T = tokens.shape
-    TRACE_COUNTS[("dense_logits", B, T)] += 1
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
     def attend(layer, inputs, carry):
         return dense_causal_attention(inputs.q, inputs.k, inputs.v), carry
 
-    module = CausalLM(cfg, dtype)
-    logits, _ = module.apply(
+    logits, _ = CausalLM(cfg, dtype).apply(
         {"params": params}, tokens, positions, rope_frequencies(cfg, long_rope), attend, None, method=CausalLM.hidden_and_logits
     )
     return logits
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "long_rope"))
+def _dense_logits(params, tokens, *, cfg: ModelConfig, dtype, long_rope: bool):
+    TRACE_COUNTS[("dense_logits", *tokens.shape)] += 1
+    return dense_forward(params, tokens, cfg, dtype, long_rope)
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))

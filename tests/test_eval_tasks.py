@@ -246,3 +246,44 @@ def test_sweep_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     assert again["accuracy"] == first["accuracy"]
     with pytest.raises(AssertionError, match="ran again"):  # another setting is not taken from the checkpoint
         sweep.run_sweep(None, **{**kwargs, "num_samples": 8})
+
+
+def test_default_model_recipe_sets_a_previous_token_head_and_trains():
+    """The hand-set head of train.train_default_model attends to the previous token, and a few optimizer
+    steps on its batches lower the answer loss."""
+    import optax
+
+    from kvjax.attention import dense_causal_attention
+    from kvjax.models.transformer import CausalLM
+    from kvjax.rope import rope_frequencies
+    from train import train_default_model as tdm
+
+    recipe = tdm.Recipe()  # the shipped recipe (the head's scale is set for its hidden size)
+    hf = tdm.tiny_config(recipe.hidden, recipe.layers, recipe.heads, recipe.kv_heads, recipe.intermediate)
+    cfg = kvjax.ModelConfig.from_hf_dict(hf.to_dict())
+    params = tdm.set_previous_token_head(kvjax.init_params(cfg, seed=0), cfg, recipe)
+    tokens, mask = tdm.BatchMaker(recipe, seed=0).batch(64, 8)
+    captured = {}
+
+    def attend(layer, inputs, carry):
+        if layer == 0:
+            s = jnp.einsum("btd,bsd->bts", inputs.q[:, :, 0], inputs.k[:, :, 0]) / np.sqrt(cfg.head_dim)
+            T = s.shape[1]
+            captured["p"] = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -1e30), -1)
+        return dense_causal_attention(inputs.q, inputs.k, inputs.v), carry
+
+    T = tokens.shape[1]
+    CausalLM(cfg, jnp.float32).apply({"params": params}, tokens, jnp.broadcast_to(jnp.arange(T), tokens.shape),
+                                     rope_frequencies(cfg), attend, None, method=CausalLM.hidden_and_logits)
+    p = np.asarray(captured["p"])
+    assert np.mean([p[:, i, i - 1] for i in range(1, T)]) > 0.9
+    assert mask.sum() > 0 and not mask[:, 0].any()
+
+    optimizer = optax.adamw(3e-3)
+    step = tdm.make_train_step(cfg, optimizer)
+    state = optimizer.init(params)
+    losses = []
+    for _ in range(8):
+        params, state, loss, _ = step(params, state, tokens, mask)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]

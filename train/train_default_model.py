@@ -98,19 +98,9 @@ def set_previous_token_head(params, cfg, recipe: Recipe, const_dim: int = 0):
 
 def loss_and_metrics(params, tokens, mask, cfg):
     """Cross-entropy on the masked target tokens. tokens, mask: `[B, T]`; mask marks tokens to predict."""
-    from kvjax.attention import dense_causal_attention
-    from kvjax.models.transformer import CausalLM
-    from kvjax.rope import rope_frequencies
+    from kvjax.generation import dense_forward
 
-    B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-
-    def attend(layer, inputs, carry):
-        return dense_causal_attention(inputs.q, inputs.k, inputs.v), carry
-
-    logits, _ = CausalLM(cfg, jnp.float32).apply(
-        {"params": params}, tokens, positions, rope_frequencies(cfg), attend, None, method=CausalLM.hidden_and_logits
-    )
+    logits = dense_forward(params, tokens, cfg)
     logits, targets, weight = logits[:, :-1], tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     count = jnp.maximum(weight.sum(), 1.0)

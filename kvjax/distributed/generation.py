@@ -21,13 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kvjax.attention import blocked_paged_attention, dense_decode_attention, paged_attention, sparse_decode_attention
 from kvjax.compaction import compact_layer, evict_one_slot
 from kvjax.config import ModelConfig
 from kvjax.distributed.mesh import AXES, DATA, ShardingPlan, plan_for, shard_params
 from kvjax.distributed.state import head_axis, init_sharded_state, per_shard, sharded_overflow_error, state_spec
 from kvjax.generation import (
     StepBackend,
+    _append_and_attend,
+    _decode_victim,
+    _forward_chunk,
+    _over_decode_budget,
     _bucketed,
     _generate_rows,
     _keep_last,
@@ -37,10 +40,8 @@ from kvjax.generation import (
     as_token_lists,
 )
 from kvjax.loading import Model
-from kvjax.models import CausalLM
 from kvjax.policies import LayerView, Policy
-from kvjax.rope import rope_frequencies
-from kvjax.state import KVState, add_slot_scores, allocate_for_append, append_to_layer
+from kvjax.state import KVState, allocate_for_append
 
 # Traces (compiles) of the sharded steps, by name and input shape, as kvjax.generation.TRACE_COUNTS.
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -105,25 +106,11 @@ def _sharded_append_step(
         score = policy.append_scores(layer, inputs, policy_params) if compressed else None
 
         def local(st, q, k, v, pos, n, next_position, *score):
-            st = append_to_layer(st, layer, k, v, pos, n, score=score[0] if score else None)
-            selected = policy.select_pages(layer, q[:, 0], st) if decoding else None
-            if selected is not None:
-                out = sparse_decode_attention(q, st, layer, selected)
-            elif decoding and not need_probs:
-                out = dense_decode_attention(q, st, layer)
-            elif not need_probs:
-                out = blocked_paged_attention(q, pos, st, layer)
-            else:
-                out = paged_attention(q, pos, st, layer, return_probs=True)
-            parts = {}
-            if need_probs:
-                out, probs = out  # [b, h, G, T, S]
-                real = (jnp.arange(C)[None, :] < n[:, None])[:, None, None, :, None]
-                probs = jnp.where(real, probs, 0.0)
-                if policy.accumulates_attention:
-                    st = add_slot_scores(st, layer, probs.sum(axis=(2, 3)))
-                if evicting:
-                    parts = _view_parts(st, layer, cfg.num_layers, next_position, probs=probs[:, :, :, 0])
+            st, out, probs = _append_and_attend(
+                st, layer, q, k, v, pos, n, policy=policy, decoding=decoding, need_probs=need_probs,
+                score=score[0] if score else None,
+            )
+            parts = _view_parts(st, layer, cfg.num_layers, next_position, probs=probs[:, :, :, 0]) if evicting else {}
             return st, out, parts
 
         args = (state, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, seen) + (() if score is None else (score,))
@@ -132,26 +119,20 @@ def _sharded_append_step(
         state, out, parts = per_shard(local, mesh, in_specs, out_specs)(*args)
         if evicting:
             view = LayerView(layer=layer, num_layers=cfg.num_layers, next_position=seen, **parts)
-            scores = jnp.where(view.valid, policy.decode_scores(view), jnp.inf)
-            victim = jnp.argmin(scores, axis=-1).astype(jnp.int32)  # [B, H]
 
             def evict(st, victim, keys):
-                held = st.lengths[layer] - (st.hole[layer] >= 0)
-                return evict_one_slot(st, layer, victim, held > policy.decode_budget(0), keys)
+                return evict_one_slot(st, layer, victim, _over_decode_budget(st, layer, policy), keys)
 
-            state = per_shard(evict, mesh, (S, P(DATA, H), P(DATA, H, None, None)), S)(state, victim, view.k)
+            state = per_shard(evict, mesh, (S, P(DATA, H), P(DATA, H, None, None)), S)(
+                state, _decode_victim(policy, view), view.k
+            )
         if window is not None:
             window_q.append(_keep_last(window["q"][layer], inputs.q, num_new))
         return out, state
 
-    module = CausalLM(cfg, dtype)
-    rope = rope_frequencies(cfg, state.long_rope)
-    hidden, state = module.apply({"params": params}, tokens, positions, rope, attend, state)
-    if window is not None:
-        window = {"q": jnp.stack(window_q), "pos": _keep_last(window["pos"], positions, num_new)}
-    last = jnp.clip(num_new - 1, 0, C - 1)
-    logits = module.apply({"params": params}, hidden[jnp.arange(B), last], method=CausalLM.logits)
-    logits = jnp.where((num_new > 0)[:, None], logits, last_logits)
+    state, window, logits = _forward_chunk(
+        params, cfg, dtype, tokens, positions, num_new, last_logits, attend, state, window, window_q
+    )
     state = jax.lax.with_sharding_constraint(_with_next_position(state, seen), NamedSharding(mesh, S))
     return state, window, logits
 
