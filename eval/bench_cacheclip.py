@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from eval._report import machine_info, markdown_table, write_outputs
-from train import synthetic
+from kvjax.tasks import synthetic
 
 SYSTEM_PREFIX = "read the context document below and answer the question ."
 DEFAULT_MODEL = "kvjax/assets/tiny-llama"

@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
 
     import kvjax
     from tqdm import tqdm
-    from train.synthetic import multikey_sample
+    from kvjax.tasks.synthetic import multikey_sample
 
     os.makedirs(args.out, exist_ok=True)
     heads = args.heads or train_heads(args.model, args.work, args.train_rows, args.train_steps, args.seed)

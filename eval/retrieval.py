@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from train import synthetic
+from kvjax.tasks import synthetic
 
 TASKS = ("passkey", "multikey")
 

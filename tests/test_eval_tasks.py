@@ -12,7 +12,7 @@ import pytest
 
 import kvjax
 from eval import longbench, perplexity, retrieval, sweep
-from train import synthetic
+from kvjax.tasks import synthetic
 from train.build_tiny_model import fast_tokenizer
 
 # ------------------------------------------------------------------------------------- synthetic tasks

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from train.synthetic import VOCABULARY
+from kvjax.tasks.synthetic import VOCABULARY
 
 
 def build_tokenizer():

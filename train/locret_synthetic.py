@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from train.synthetic import digits, multikey_sample
+from kvjax.tasks.synthetic import digits, multikey_sample
 
 
 def multikey_rows(rng: np.random.Generator, num_rows: int, lengths: tuple[int, ...], num_records: int = 4) -> list[dict]:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from train import synthetic
+from kvjax.tasks import synthetic
 from train.build_tiny_model import fast_tokenizer, tiny_config, write_model
 
 # (sequence length, batch size): about 4K tokens per batch

@@ -9,7 +9,7 @@ Two tasks, written as plain text over the shipped word-level vocabulary (`VOCABU
   the same filler; the question "What is the magic number for {key}? {key}" names one record, so only the
   question tells which record matters. The value follows its key directly: with RULER's wording
   ("One of the special magic numbers for {key} is: {value}.") the value sits two tokens after the key,
-  and a tiny model stalled at chance on that layout (../shared/NOTES-tiny-model.md); see
+  and a tiny model stalled at chance on that layout (docs/default_model.md); see
   docs/default_model.md.
 
 Lengths are in tokens of the shipped tokenizer: one token per word, punctuation mark and digit. Every

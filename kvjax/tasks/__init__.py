@@ -1,0 +1,1 @@
+"""Task generators shared by the training programs (`train/`) and the evaluation programs (`eval/`)."""
