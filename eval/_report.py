@@ -8,6 +8,15 @@ import platform
 from typing import Any, Sequence
 
 
+RESULTS_ROOT = "kvjax-results"  # benchmarks write under ./kvjax-results/<name> unless told --out DIR
+
+
+def default_out(name: str) -> str:
+    """Where a program writes when no `--out` is given: `./kvjax-results/<name>` in the working directory
+    (never beside the installed package). The committed results live under `eval/results/<name>`."""
+    return os.path.join(RESULTS_ROOT, name)
+
+
 def machine_info() -> dict[str, Any]:
     import jax
 

@@ -9,7 +9,7 @@ compared with a large read (jnp.sum over ~2 GiB) measured in the same run.
     python eval/bench_attention.py --quick    # smoke run
     python eval/bench_attention.py --formulations   # also compare the XLA path's block formulations
 
-Writes eval/results/attention/{bench_attention.json, bench_attention.md, bench_attention.png}.
+Writes bench_attention.{json,md,png} under --out (default ./kvjax-results/attention; committed: eval/results/attention).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels as pk
+from kvjax import pallas_kernels as pk
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results" / "attention"
+from ._report import default_out
+
 LLC_BYTES = 480 * 2**20  # last-level cache of the machines this project targets
 
 
@@ -232,7 +233,7 @@ def bench_model_context(shape, context, budgets, args, large_read: LargeRead, fo
 
 
 def pk_default_formulation():
-    from pallas_kernels.decode_xla import DEFAULT_FORMULATION
+    from kvjax.pallas_kernels.decode_xla import DEFAULT_FORMULATION
 
     return DEFAULT_FORMULATION
 
@@ -332,7 +333,7 @@ def main(argv=None):
                         help="page placement: as kvjax's allocator after a chunked prefill, or random")
     parser.add_argument("--formulations", nargs="*", default=None,
                         help="also time these XLA block formulations (no names: all)")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--out", "--out-dir", dest="out_dir", type=Path, default=Path(default_out("attention")))
     parser.add_argument("--name", default="bench_attention")
     args = parser.parse_args(argv)
     if args.quick:
@@ -340,14 +341,12 @@ def main(argv=None):
         args.working_set_gib, args.large_read_gib = 0.05, 0.25
     formulations = None
     if args.formulations is not None:
-        from pallas_kernels.decode_xla import FORMULATIONS
+        from kvjax.pallas_kernels.decode_xla import FORMULATIONS
 
         formulations = args.formulations or list(FORMULATIONS)
 
-    from pallas_kernels._backend import resolve_backend
-
     result = {
-        "backend": resolve_backend(None), "jax": jax.__version__, "platform": jax.default_backend(),
+        "backend": pk.resolve_backend(None), "jax": jax.__version__, "platform": jax.default_backend(),
         "machine": platform.machine(), "cpus": os.cpu_count(), "page_size": args.page_size,
         "layout": args.layout, "repeats": args.repeats, "quick": args.quick, "load_start": cpu_load(),
     }

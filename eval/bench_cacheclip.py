@@ -12,7 +12,7 @@ round-robin so that load on the machine hits all methods alike; median of the re
 computed beforehand (offline, as in the paper); a method's time covers store lookup, assembly (rotation),
 auxiliary scoring, selection, the recomputation and writing the paged KV state.
 
-    python -m eval.bench_cacheclip --model /path/to/trained-model   # eval/results/cacheclip/*.{json,md,png}
+    python -m eval.bench_cacheclip --model /path/to/trained-model   # --out DIR (default ./kvjax-results/cacheclip)
     python -m eval.bench_cacheclip --quick                          # a smoke run
 """
 
@@ -25,7 +25,7 @@ import time
 import jax
 import numpy as np
 
-from eval._report import machine_info, markdown_table, write_outputs
+from ._report import default_out, machine_info, markdown_table, write_outputs
 from kvjax.tasks import synthetic
 
 SYSTEM_PREFIX = "read the context document below and answer the question ."
@@ -159,7 +159,7 @@ def main(argv=None):
     parser.add_argument("--timing-prompts", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="eval/results/cacheclip")
+    parser.add_argument("--out", default=default_out("cacheclip"))
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:

@@ -6,7 +6,7 @@ prefill time (compile time reported apart, from JAX's compile events), decode to
 a warm-up step, and achieved bytes/s (weights plus the KV cache read per token) against a large read of
 several times the 480 MiB last-level cache measured in the same run.
 
-    python -m eval.bench_decode              # writes eval/results/decode/bench_decode.{json,md,png}
+    python -m eval.bench_decode              # writes ./kvjax-results/decode/bench_decode.{json,md,png}
     python -m eval.bench_decode --quick      # a small smoke run
 """
 
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval._report import machine_info, markdown_table, write_outputs
+from ._report import default_out, machine_info, markdown_table, write_outputs
 
 COMPILE_EVENTS = ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_compile_duration")
 _compile_seconds = collections.Counter()
@@ -159,7 +159,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per context")
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--read-gib", type=float, default=2.0, help="size of the large read used as the bound")
-    parser.add_argument("--out", default="eval/results/decode")
+    parser.add_argument("--out", default=default_out("decode"))
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (2 layers, small vocab, short contexts)")
     args = parser.parse_args(argv)
     if args.quick:

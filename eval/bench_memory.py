@@ -8,7 +8,7 @@ model, prefills one prompt of the given length (chunked) and decodes a few token
 RSS (`VmHWM`) and its RSS before the prefill. The model is small except in its KV per token (few layers,
 many wide kv heads, float32 cache), so the full cache dominates the process as the context grows; Locret
 keeps `token_budget` slots per head and its pool is sized for budget + one chunk. Writes
-eval/results/memory/bench_memory.{json,md,png}.
+bench_memory.{json,md,png} under --out (default ./kvjax-results/memory).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import subprocess
 import sys
 import time
 
-from eval._report import machine_info, markdown_table, write_outputs
+from ._report import default_out, machine_info, markdown_table, write_outputs
 
-OUT_DIR = os.path.join(os.path.dirname(__file__), "results", "memory")
 # Few layers and a small MLP keep compute low; 4 kv heads of 128 in float32 give 4 KiB of K+V per token
 # per layer, so a 64K-token full cache is 512 MiB against a ~300 MiB JAX process.
 MODEL = dict(
@@ -125,7 +124,7 @@ def main(argv=None) -> dict:
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk size")
     p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--point-timeout", type=int, default=600, help="seconds per point")
-    p.add_argument("--out", default=OUT_DIR)
+    p.add_argument("--out", default=default_out("memory"))
     p.add_argument("--point", nargs=2, metavar=("POLICY", "CONTEXT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.point:

@@ -5,7 +5,7 @@ For each context (default 8K and 16K) and policy at one budget (default 1024): p
 anything; one per policy, since eviction happens inside prefill), then decode tokens/s as the median of
 timed steps after a warm-up step, the KV bytes a step reads, and pages in use against the full cache.
 
-    python -m eval.bench_policies              # writes eval/results/policies/bench_policies.{json,md,png}
+    python -m eval.bench_policies              # writes ./kvjax-results/policies/bench_policies.{json,md,png}
     python -m eval.bench_policies --quick
 """
 
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval._report import machine_info, markdown_table, write_outputs
+from ._report import default_out, machine_info, markdown_table, write_outputs
 
 POLICIES = {
     "full": {},
@@ -119,7 +119,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--out", default="eval/results/policies")
+    parser.add_argument("--out", default=default_out("policies"))
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     args = parser.parse_args(argv)
     if args.quick:

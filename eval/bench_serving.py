@@ -11,11 +11,12 @@ layers for real (JAX, the pool read through its typed views), Jenga against unif
 pool and trace: generated tokens per second, tokens per step, most requests resident at once, prefix
 hit rate, waste, and whether both produced the same tokens.
 
-Writes eval/results/serving/bench_serving[_quick][_<part>].{json,md,png} (both parts: also _engine.png).
+Writes bench_serving[_quick][_<part>].{json,md,png} under --out (default ./kvjax-results/serving; the committed
+run is in eval/results/serving). Both parts: also _engine.png.
 
-    python eval/bench_serving.py --quick        # a minute or two
-    python eval/bench_serving.py                # the full run kept in eval/results/serving
-    python eval/bench_serving.py --part engine  # only the engine half
+    python -m eval.bench_serving --quick        # a minute or two
+    python -m eval.bench_serving                # the full run (committed with --out eval/results/serving)
+    python -m eval.bench_serving --part engine  # only the engine half
 """
 
 from __future__ import annotations
@@ -34,10 +35,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvjax.config import ModelConfig  # noqa: E402
-from kvjax.serving import (  # noqa: E402
+from kvjax.config import ModelConfig
+from kvjax.serving import (
     AuxiliaryModelSpec,
     BudgetedSpec,
     FullAttentionSpec,
@@ -49,8 +48,9 @@ from kvjax.serving import (  # noqa: E402
     choose_large_page_bytes,
 )
 
+from ._report import default_out
+
 GIB = 2**30
-RESULTS_DIR = Path(__file__).resolve().parent / "results" / "serving"
 
 
 # =====================================================================================================
@@ -717,7 +717,7 @@ def parse_args(argv=None):
     parser.add_argument("--sample-every", type=int, default=32, help="steps between pool-usage samples (stats() walks every live page)")
     parser.add_argument("--max-steps", type=int, default=200_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--out", "--out-dir", dest="out_dir", type=Path, default=Path(default_out("serving")))
     parser.add_argument("--part", choices=("all", "allocator", "engine"), default="all",
                         help="allocator replay, engine serving a tiny model, or both")
     parser.add_argument("--json", action="store_true", help="print the result JSON to stdout (tables go to stderr)")

@@ -3,11 +3,11 @@
     python -m eval.locret_quality                         # trains heads first (a few minutes), then evaluates
     python -m eval.locret_quality --heads runs/locret/heads
 
-Training data: synthetic long-document QA in LongAlpaca's format (`train.locret_synthetic`), heads
+Training data: synthetic long-document QA in LongAlpaca's format (`kvjax.tasks.longalpaca`), heads
 trained by `train.locret`. Evaluation: multi-key needle prompts (4 records) of about `--length` tokens;
 the question's tokens arrive as decode steps after compression (`decode_last`), answers are greedy and
 scored by exact match of the digits. Every policy leaves `--dense-layers` layers whole (1: the shipped
-model's layer 0 holds a hand-set previous-token head). Writes eval/results/locret/locret_quality.*.
+model's layer 0 holds a hand-set previous-token head). Writes locret_quality.* under --out (default ./kvjax-results/locret).
 """
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ import time
 
 import numpy as np
 
-from eval._report import machine_info, markdown_table, write_outputs
+from ._report import default_out, machine_info, markdown_table, write_outputs
 
-OUT_DIR = os.path.join(os.path.dirname(__file__), "results", "locret")
-DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "..", "kvjax", "assets", "tiny-llama")
+DEFAULT_MODEL = "tiny"
 
 
 def train_heads(model_dir: str, out: str, rows: int, steps: int, seed: int) -> str:
-    from train import locret as train_locret
-    from train.locret_synthetic import multikey_rows, write_jsonl
+    from kvjax.tasks.longalpaca import multikey_rows, write_jsonl
+    from kvjax.train import locret as train_locret
 
     os.makedirs(out, exist_ok=True)
     data = write_jsonl(multikey_rows(np.random.default_rng(seed + 1000), rows, (900, 1900)), os.path.join(out, "train.jsonl"))
@@ -53,7 +52,7 @@ def training_summary(heads: str) -> dict | None:
 
 def evaluate(model, policy, samples, chunk: int, batch: int) -> tuple[float, float]:
     """(exact-match accuracy, seconds), with the question fed as decode steps (eval.retrieval's protocol)."""
-    from eval.retrieval import accuracy, answer_samples
+    from .retrieval import accuracy, answer_samples
 
     began = time.perf_counter()
     scored = answer_samples(model, policy, samples, "multikey", 0, batch_size=batch, chunk_size=chunk)
@@ -74,7 +73,7 @@ def main(argv=None) -> dict:
     p.add_argument("--dense-layers", type=int, default=1)
     p.add_argument("--batch", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=OUT_DIR)
+    p.add_argument("--out", default=default_out("locret"))
     p.add_argument("--work", default="runs/locret_quality", help="training data, checkpoints and heads go here")
     args = p.parse_args(argv)
 

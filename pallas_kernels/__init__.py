@@ -2,9 +2,10 @@
 paged decode. Each kernel has a pure-jnp reference (the oracle), a tuned XLA path (the CPU default), a
 Pallas Mosaic TPU kernel and a Pallas GPU kernel; `backend=` overrides the choice by platform."""
 
-from pallas_kernels.decode_reference import paged_decode_reference, sparse_paged_decode_reference
-from pallas_kernels.paged_decode import paged_decode, sparse_paged_decode
-from pallas_kernels.quest_scores import (
+from ._backend import resolve_backend
+from .decode_reference import paged_decode_reference, sparse_paged_decode_reference
+from .paged_decode import paged_decode, sparse_paged_decode
+from .quest_scores import (
     quest_page_scores,
     quest_page_scores_reference,
     select_top_pages,
@@ -20,4 +21,5 @@ __all__ = [
     "sparse_paged_decode_reference",
     "paged_decode",
     "paged_decode_reference",
+    "resolve_backend",
 ]

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _pages
-from pallas_kernels._backend import triton_compiler_params
+from . import _pages
+from ._backend import triton_compiler_params
 
 MIN_QUERY_ROWS = 16  # smallest M of a Triton dot
 
@@ -97,7 +97,7 @@ def decode_gpu(
     q_per_row = num_q_heads // num_sel_heads
     compiler_params = triton_compiler_params()
     if compiler_params is None and not interpret:
-        from pallas_kernels.decode_xla import attend_read_list_xla
+        from .decode_xla import attend_read_list_xla
 
         warnings.warn("this JAX has no Pallas Triton backend; pallas_gpu falls back to the XLA path")
         return attend_read_list_xla(q, k_pages, v_pages, physical, counts, sm_scale=sm_scale)

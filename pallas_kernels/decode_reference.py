@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels import _pages
-from pallas_kernels._validation import check_decode_inputs, resolve_sm_scale
+from . import _pages
+from ._validation import check_decode_inputs, resolve_sm_scale
 
 
 def _attend_masked(q, k_pages, v_pages, page_table, lengths, page_read, sm_scale, return_stats):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _pages
+from . import _pages
 
 # How one block of gathered pages is folded into the softmax state:
 #   mulsum : logits and p.v as broadcast-multiply + reduce (XLA maps them to its CPU library fusions)

@@ -7,11 +7,11 @@ with scalar-prefetched tables) or "pallas_gpu" (Pallas Triton kernel gathering p
 
 from __future__ import annotations
 
-from pallas_kernels import _pages
-from pallas_kernels._backend import resolve_backend, resolve_interpret
-from pallas_kernels._validation import check_decode_inputs, resolve_sm_scale
-from pallas_kernels.decode_reference import paged_decode_reference, sparse_paged_decode_reference
-from pallas_kernels.decode_xla import attend_read_list_xla
+from . import _pages
+from ._backend import resolve_backend, resolve_interpret
+from ._validation import check_decode_inputs, resolve_sm_scale
+from .decode_reference import paged_decode_reference, sparse_paged_decode_reference
+from .decode_xla import attend_read_list_xla
 
 __all__ = ["sparse_paged_decode", "paged_decode", "sparse_paged_decode_reference", "paged_decode_reference"]
 
@@ -36,7 +36,7 @@ def _attend_read_list(
             pages_per_block=pages_per_block,
             **({"formulation": formulation} if formulation else {}),
         )
-    from pallas_kernels.decode_gpu import decode_gpu
+    from .decode_gpu import decode_gpu
 
     return decode_gpu(
         q,
@@ -97,7 +97,7 @@ def sparse_paged_decode(
     sm_scale = resolve_sm_scale(sm_scale, dims.head_dim)
     selected = _pages.normalize_selection(selected, lengths, dims.page_size)
     if backend == "pallas_tpu":
-        from pallas_kernels.decode_tpu import decode_tpu
+        from .decode_tpu import decode_tpu
 
         out, row_max, row_sum = decode_tpu(
             q,
@@ -148,7 +148,7 @@ def paged_decode(
     dims = check_decode_inputs(q, k_pages, v_pages, page_table, lengths, strict_page_size=backend != "xla")
     sm_scale = resolve_sm_scale(sm_scale, dims.head_dim)
     if backend == "pallas_tpu":
-        from pallas_kernels.decode_tpu import decode_tpu
+        from .decode_tpu import decode_tpu
 
         out, row_max, row_sum = decode_tpu(
             q,

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _pages
-from pallas_kernels._backend import resolve_backend, resolve_interpret
-from pallas_kernels._validation import check_page_size, check_score_inputs
+from . import _pages
+from ._backend import resolve_backend, resolve_interpret
+from ._validation import check_page_size, check_score_inputs
 
 __all__ = ["quest_page_scores", "quest_page_scores_reference", "select_top_pages", "select_top_pages_reference"]
 
@@ -113,13 +113,13 @@ def quest_page_scores(
     if backend == "xla":
         scores = _quest_page_scores_xla(q, kmin, kmax, page_table, lengths, page_size=page_size, dims=dims)
     elif backend == "pallas_tpu":
-        from pallas_kernels.quest_scores_tpu import quest_scores_tpu
+        from .quest_scores_tpu import quest_scores_tpu
 
         scores = quest_scores_tpu(
             q, kmin, kmax, page_table, lengths, page_size=page_size, interpret=resolve_interpret(backend, interpret)
         )
     else:
-        from pallas_kernels.quest_scores_gpu import quest_scores_gpu
+        from .quest_scores_gpu import quest_scores_gpu
 
         scores = quest_scores_gpu(
             q, kmin, kmax, page_table, lengths, page_size=page_size, interpret=resolve_interpret(backend, interpret)

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _pages
-from pallas_kernels._backend import triton_compiler_params
-from pallas_kernels.decode_gpu import MIN_QUERY_ROWS, _next_power_of_two
+from . import _pages
+from ._backend import triton_compiler_params
+from .decode_gpu import MIN_QUERY_ROWS, _next_power_of_two
 
 
 def _scores_kernel(
@@ -64,8 +64,8 @@ def quest_scores_gpu(
     group = num_q_heads // num_kv_heads
     compiler_params = triton_compiler_params()
     if compiler_params is None and not interpret:
-        from pallas_kernels.quest_scores import _quest_page_scores_xla
-        from pallas_kernels._validation import check_score_inputs
+        from .quest_scores import _quest_page_scores_xla
+        from ._validation import check_score_inputs
 
         warnings.warn("this JAX has no Pallas Triton backend; pallas_gpu falls back to the XLA path")
         dims = check_score_inputs(q, kmin, kmax, page_table, lengths)

@@ -16,8 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _pages
-from pallas_kernels._backend import any_memory_space, tpu_compiler_params
+from . import _pages
+from ._backend import any_memory_space, tpu_compiler_params
 
 LANES = 128
 

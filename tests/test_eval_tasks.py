@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from eval import longbench, perplexity, retrieval, sweep
+from kvjax.eval import longbench, perplexity, retrieval, sweep
 from kvjax.tasks import synthetic
-from train.build_tiny_model import fast_tokenizer
+from kvjax.train.build_tiny_model import fast_tokenizer
 
 # ------------------------------------------------------------------------------------- synthetic tasks
 
@@ -120,7 +120,7 @@ def test_longbench_prompt_middle_truncation(tokenizer):
 
 @pytest.fixture(scope="module")
 def shipped():
-    from kvjax.cli import shipped_model_dir
+    from kvjax.hub import shipped_model_dir
 
     return kvjax.load_model(shipped_model_dir())
 
@@ -204,7 +204,7 @@ def test_quest_static_keeps_top_pages_for_the_last_query():
 
 
 def test_demo_table_lists_every_policy():
-    from kvjax.demo import demo_table
+    from kvjax.eval.demo import demo_table
 
     result = _fake_result()
     result.update(budgets=[64], lengths=[512], num_samples=4, dense_layers=1, seconds=1.0,
@@ -256,7 +256,7 @@ def test_default_model_recipe_sets_a_previous_token_head_and_trains():
     from kvjax.attention import dense_causal_attention
     from kvjax.models.transformer import CausalLM
     from kvjax.rope import rope_frequencies
-    from train import train_default_model as tdm
+    from kvjax.train import train_default_model as tdm
 
     recipe = tdm.Recipe()  # the shipped recipe (the head's scale is set for its hidden size)
     hf = tdm.tiny_config(recipe.hidden, recipe.layers, recipe.heads, recipe.kv_heads, recipe.intermediate)

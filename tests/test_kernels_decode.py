@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pallas_kernels as pk
-from pallas_kernels.testing import make_paged_inputs, random_selection
+from kvjax import pallas_kernels as pk
+from kvjax.pallas_kernels.testing import make_paged_inputs, random_selection
 
 BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
 TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
@@ -139,7 +139,7 @@ def test_block_and_split_settings_do_not_change_results(backend, tuning):
 )
 def test_property_normalized_selection_is_distinct_and_packed(seed, lengths, per_kv_head):
     """Cleaned selections list each readable page once, in a prefix, and keep the selection's page set."""
-    from pallas_kernels import _pages
+    from kvjax.pallas_kernels import _pages
 
     rng = np.random.default_rng(seed)
     lengths = np.array([lengths], np.int32)  # [1, 2]: page size 16, up to 4 pages
@@ -183,7 +183,7 @@ def test_nan_poison_catches_a_stray_read():
 
 
 def test_default_backend_on_cpu_is_the_xla_path():
-    from pallas_kernels._backend import resolve_backend
+    from kvjax.pallas_kernels._backend import resolve_backend
 
     assert jax.default_backend() != "cpu" or resolve_backend(None) == "xla"
     with pytest.raises(ValueError, match="backend must be one of"):

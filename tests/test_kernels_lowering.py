@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import pallas_kernels as pk
+from kvjax import pallas_kernels as pk
 
 B, HQ, KVH, D, PS, P, N, K = 2, 8, 2, 128, 16, 64, 300, 7
 
@@ -51,7 +51,7 @@ def lower_text(fn, args, platform):
 @pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode", "quest_page_scores"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_kernels_lower_to_triton(kernel, dtype):
-    from pallas_kernels._backend import triton_compiler_params
+    from kvjax.pallas_kernels._backend import triton_compiler_params
 
     if triton_compiler_params() is None:
         pytest.skip("this JAX has no Pallas Triton backend")

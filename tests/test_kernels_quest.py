@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pallas_kernels as pk
-from pallas_kernels.testing import make_paged_inputs
+from kvjax import pallas_kernels as pk
+from kvjax.pallas_kernels.testing import make_paged_inputs
 
 BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
 

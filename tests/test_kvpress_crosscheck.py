@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from eval.kvpress_crosscheck import VENV, crosscheck
+from kvjax.eval.kvpress_crosscheck import VENV, crosscheck
 
 PYTHON = os.environ.get("KVPRESS_PYTHON", os.path.join(os.path.dirname(__file__), "..", VENV, "bin", "python"))
 

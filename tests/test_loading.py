@@ -12,7 +12,8 @@ import torch
 
 import kvjax
 from conftest import random_tokens
-from kvjax.cli import main as cli_main, shipped_model_dir
+from kvjax.cli import main as cli_main
+from kvjax.hub import shipped_model_dir
 from kvjax.models.convert import params_to_hf
 
 

@@ -17,7 +17,7 @@ from kvjax.locret.training import head_loss
 from kvjax.models import CausalLM
 from kvjax.rope import rope_frequencies
 from kvjax.attention import dense_causal_attention
-from train import locret as train_locret
+from kvjax.train import locret as train_locret
 from kvjax.tasks.synthetic import digits, passkey_sample
 
 TINY = os.path.join(os.path.dirname(kvjax.__file__), "assets", "tiny-llama")

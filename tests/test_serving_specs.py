@@ -20,7 +20,7 @@ from kvjax.serving import (
     hash_block,
     longest_common_hit,
 )
-from kvjax.serving.hashing import ROOT_HASH
+from kvjax.hashing import ROOT_HASH
 
 LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 

@@ -1,7 +1,7 @@
 """Synthetic long-document QA in LongAlpaca's format, for training retaining heads on the shipped model.
 
 Each row is `{"instruction": document + question, "output": answer}` like LongAlpaca-12k, with the
-document and question from `train.synthetic.multikey_sample` (records hidden in filler, one asked).
+document and question from `kvjax.tasks.synthetic.multikey_sample` (records hidden in filler, one asked).
 
     python -m train.locret_synthetic --out data/locret_multikey.jsonl --rows 400
 """
@@ -9,29 +9,10 @@ document and question from `train.synthetic.multikey_sample` (records hidden in 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import numpy as np
 
-from kvjax.tasks.synthetic import digits, multikey_sample
-
-
-def multikey_rows(rng: np.random.Generator, num_rows: int, lengths: tuple[int, ...], num_records: int = 4) -> list[dict]:
-    """`num_rows` rows whose documents are about `lengths` tokens long (cycled)."""
-    rows = []
-    for i in range(num_rows):
-        sample = multikey_sample(rng, lengths[i % len(lengths)], num_records)
-        rows.append({"instruction": sample.prompt, "output": digits(sample.answer)})
-    return rows
-
-
-def write_jsonl(rows: list[dict], path: str) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return path
+from kvjax.tasks.longalpaca import multikey_rows, write_jsonl
 
 
 def main(argv=None) -> str:

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 
 from kvjax.tasks import synthetic
-from train.build_tiny_model import fast_tokenizer, tiny_config, write_model
+from .build_tiny_model import fast_tokenizer, tiny_config, write_model
 
 # (sequence length, batch size): about 4K tokens per batch
 CURRICULUM = ((64, 64), (128, 32), (256, 16), (512, 8), (1024, 4), (2048, 2))

@@ -45,7 +45,7 @@ class Quest(Policy):
 
     def select_pages(self, layer: int, q: jax.Array, state) -> jax.Array | None:
         """q `[B, Hq, D]` -> logical pages `int32[B, Hq or H, K]` (-1 = none), or None in dense layers."""
-        import pallas_kernels
+        from kvjax import pallas_kernels
 
         if layer < self.dense_layers:
             return None

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvjax.loading import Model
 from kvjax.rag.encode import encode_kv
-from kvjax.serving.hashing import ROOT_HASH, hash_block
+from kvjax.hashing import ROOT_HASH, hash_block
 
 FORMS = ("pre_rope", "rotated")
 

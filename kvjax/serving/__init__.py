@@ -16,7 +16,7 @@ from kvjax.serving.allocator import (
     RequestTooLargeError,
     StalePrefixHitError,
 )
-from kvjax.serving.hashing import ROOT_HASH, chain_hashes, hash_block
+from kvjax.hashing import ROOT_HASH, chain_hashes, hash_block
 from kvjax.serving.layout import PoolLayout, choose_large_page_bytes
 from kvjax.serving.model_groups import LayerGroups, alternating_windows, build_layer_groups
 from kvjax.serving.prefix_cache import PrefixHit, longest_common_hit

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from kvjax.serving.hashing import ROOT_HASH, chain_hashes
+from kvjax.hashing import ROOT_HASH, chain_hashes
 from kvjax.serving.layout import PoolLayout
 from kvjax.serving.page_pool import CACHED, FREE, HELD_BY_RUNNING, LIVE, Journal, TwoLevelPagePool
 from kvjax.serving.prefix_cache import PrefixCache, PrefixHit

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvjax.serving.hashing import chain_hashes
+from kvjax.hashing import chain_hashes
 from kvjax.serving.page_pool import Journal, TwoLevelPagePool
 from kvjax.serving.specs import GroupSpec, base_hash_block_tokens, hit_alignment
 

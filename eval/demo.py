@@ -8,6 +8,7 @@ policy's decode speed. About two minutes on 2 CPU cores (less when JAX's compila
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -17,12 +18,13 @@ DEMO_POLICIES = ("full", "quest", "quest_static", "snapkv", "ada_snapkv", "h2o",
 def run_demo(model_name: str = "tiny", length: int = 2048, budget: int = 128, samples: int = 16,
              records: int = 4, policies=DEMO_POLICIES, seed: int = 0, as_json: bool = False) -> dict:
     import kvjax
-    from eval import sweep
-    from kvjax.cli import enable_compilation_cache, resolve_model_path
+    from kvjax.compilation_cache import enable_compilation_cache
+
+    from . import sweep
 
     enable_compilation_cache()
     started = time.perf_counter()
-    model = kvjax.load_model(resolve_model_path(model_name))
+    model = kvjax.load_model(model_name)
     result = sweep.run_sweep(model, policies, [budget], [length], ("passkey", "multikey"), samples, records, seed,
                              progress=not as_json, clear_compiled=False)
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -31,7 +33,7 @@ def run_demo(model_name: str = "tiny", length: int = 2048, budget: int = 128, sa
 
 
 def demo_table(result: dict) -> str:
-    from eval._report import markdown_table
+    from ._report import markdown_table
 
     budget, length = result["budgets"][0], result["lengths"][0]
     acc = {(r["task"], r["policy"]): r for r in result["accuracy"]}
@@ -54,7 +56,21 @@ def demo_table(result: dict) -> str:
     return head + table + note
 
 
-def main(args) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvjax demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", help="'tiny' (shipped; default), a fetched name, or a local path")
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--samples", type=int, default=16, help="samples per task and policy")
+    parser.add_argument("--records", type=int, default=4, help="records in the multi-key task")
+    parser.add_argument("--policies", nargs="+", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     result = run_demo(args.model, args.length, args.budget, args.samples, args.records, tuple(args.policies or DEMO_POLICIES),
                       args.seed, args.json)
     if args.json:

@@ -1,5 +1,5 @@
-"""Chained block hashes for prefix caching: block i's hash covers its tokens and the hash of block i - 1,
-so one hash names a whole prefix (as vLLM's block hashes do)."""
+"""Chained block hashes naming token prefixes, shared by prefix caching (serving) and chunk stores (rag):
+block i's hash covers its tokens and the hash of block i - 1, so one hash names a whole prefix (as vLLM's do)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,73 @@
+"""Policy options given as text (the command line's `--policy-option KEY=VALUE`), parsed by the field's type.
+
+`parse_policy_options("quest", ["token_budget=64"])` -> `{"token_budget": 64}`; a value that does not
+read as the field's type raises `ValueError` naming the policy, the option and the expected type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Iterable
+
+from kvjax.policies.base import POLICY_REGISTRY
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError("not a boolean")
+
+
+_PARSERS = {int: int, float: float, str: str, bool: _parse_bool}
+
+
+def _candidates(annotation: Any) -> tuple[list, bool]:
+    """The concrete types an annotation admits, and whether it admits None (`int | None`, `Optional[int]`)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        return [a for a in args if a is not type(None)], type(None) in args
+    return [annotation], False
+
+
+def parse_value(text: str, annotation: Any) -> Any:
+    """`text` read as `annotation` (int, float, bool, str, optionally `| None`); anything else stays text."""
+    kinds, optional = _candidates(annotation)
+    if optional and text.strip().lower() in ("none", "null", ""):
+        return None
+    for kind in kinds:
+        parser = _PARSERS.get(kind)
+        if parser is None:
+            return text  # Any, a policy, a path: the policy itself validates it
+        try:
+            return parser(text)
+        except ValueError:
+            continue
+    raise ValueError(" or ".join(k.__name__ for k in kinds) + (" or none" if optional else ""))
+
+
+def parse_policy_options(name: str, pairs: Iterable[str]) -> dict[str, Any]:
+    """`["KEY=VALUE", ...]` -> options for `make_policy(name, **options)`, each parsed by its field's type."""
+    cls = POLICY_REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; registered: {', '.join(sorted(POLICY_REGISTRY))}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    options = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"policy option {pair!r} must be KEY=VALUE")
+        key, value = (part.strip() for part in pair.split("=", 1))
+        if key not in fields:
+            raise ValueError(f"policy {name!r} has no option {key!r}; options: {', '.join(sorted(fields))}")
+        try:
+            options[key] = parse_value(value, hints.get(key, Any))
+        except ValueError as error:
+            raise ValueError(f"policy {name!r} option {key}={value!r}: expected {error}") from None
+    return options
