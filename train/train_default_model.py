@@ -1,9 +1,9 @@
 """Train the shipped default model: a tiny Llama that retrieves passkeys and multi-key records at 2K tokens.
 
-JAX + Flax (kvjax's own `CausalLM`, dense attention) + Optax. The recipe follows
-../shared/NOTES-tiny-model.md, where a torch trial found what trains on a 2-core CPU:
+JAX + Flax (kvjax's own `CausalLM`, dense attention) + Optax. The recipe follows a torch trial of what
+trains on a 2-core CPU (docs/default_model.md, "Background"):
 
-- a word-level vocabulary (`train.synthetic.VOCABULARY`), loss on the answer digits only, several
+- a word-level vocabulary (`kvjax.tasks.synthetic.VOCABULARY`), loss on the answer digits only, several
   questions per multi-key document;
 - one **previous-token head set by hand** at initialisation (layer 0, head 0): its query and key read a
   constant embedding dimension, with the query rotated back by one position's RoPE angle in the
