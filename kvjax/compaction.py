@@ -3,8 +3,8 @@
 `compact_layer` rewrites one layer: the kept slots of (sequence b, head h) land, in the order given, in
 logical slots 0..kept-1 of the same head (so they occupy ceil(kept / page_size) pages); pages past those
 go back on the free stack and leave the page table. `kmin`/`kmax` of the kept pages are recomputed
-exactly. `shrink_table` then cuts the page tables to the pages a bounded policy can still need, so decode
-reads (and compiles for) only those.
+exactly. The state's static `read_pages` then bounds the logical pages a compressed layer's attention
+reads, so decode reads (and compiles for) only the pages a bounded policy can still need.
 """
 
 from __future__ import annotations
@@ -124,13 +124,6 @@ def evict_one_slot(state: KVState, layer: int, victim: jax.Array, evict: jax.Arr
         kmax=state.kmax.at[page].set(kmax.astype(state.kmax.dtype), mode="drop"),
         hole=state.hole.at[layer].set(jnp.where(evict, victim, state.hole[layer])),
     )
-
-
-def shrink_table(state: KVState, max_pages: int) -> KVState:
-    """Cut page tables to `max_pages` logical pages per head (static). Every head must already fit."""
-    if max_pages >= state.max_pages:
-        return state
-    return state.replace(page_table=state.page_table[..., :max_pages])
 
 
 def kept_positions(state: KVState) -> list:
