@@ -55,3 +55,90 @@ def write_outputs(out_dir: str, name: str, payload: dict, table_md: str) -> dict
     with open(paths["md"], "w") as f:
         f.write(table_md)
     return paths
+
+
+# --- the large read and device tags, shared by the suite and the comparison (eval/suite.py, eval/compare.py) ---
+
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache this machine reports (sysfs), or None where it says nothing."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else None
+
+
+def measure_large_read(num_bytes: int, repeats: int = 7, warmup: int = 2) -> dict[str, Any]:
+    """Read bandwidth of the default device: a jitted `jnp.sum` over a float32 buffer of `num_bytes` built
+    on the device (no host transfer), median and best of `repeats` after `warmup` calls. On CPU size it at
+    several times the last-level cache so it measures memory, not cache."""
+    import statistics
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    if num_bytes < 4:
+        raise ValueError(f"large read of {num_bytes} bytes: give at least one float32")
+    n = num_bytes // 4
+    data = jax.jit(lambda: jnp.full((n,), 0.5, jnp.float32))()
+    read = jax.jit(jnp.sum)
+    for _ in range(warmup):
+        jax.block_until_ready(read(data))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(read(data))
+        times.append(time.perf_counter() - start)
+    del data
+    median, best = statistics.median(times), min(times)
+    return {"bytes": n * 4, "repeats": repeats, "median_s": median, "min_s": best,
+            "median_gbps": n * 4 / median / 1e9, "best_gbps": n * 4 / best / 1e9}
+
+
+def share_of_large_read(gbps: float | None, large_read: dict[str, Any]) -> float | None:
+    """A bandwidth figure as a share of the run's large read (its median GB/s)."""
+    if gbps is None or not large_read.get("median_gbps"):
+        return None
+    return gbps / large_read["median_gbps"]
+
+
+def cpu_load() -> list[float] | None:
+    """The 1/5/15-minute load averages, or None off Linux."""
+    try:
+        with open("/proc/loadavg") as f:
+            return [float(x) for x in f.read().split()[:3]]
+    except OSError:
+        return None
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def device_tag(dtype: str, threads: int | None = None) -> dict[str, Any]:
+    """What a run ran on: device kind and count, platform, jax/jaxlib versions, CPU model, threads, dtype."""
+    import jax
+    import jaxlib
+
+    devices = jax.devices()
+    info = machine_info()
+    return {
+        "device_kind": devices[0].device_kind, "platform": devices[0].platform, "device_count": len(devices),
+        "jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", None) or jaxlib.version.__version__,
+        "cpu_model": info.get("cpu_model", info["processor"]), "cpu_count": os.cpu_count(),
+        "threads": threads if threads is not None else usable_cpus(), "dtype": dtype,
+        "llc_bytes": last_level_cache_bytes(), "os": info["platform"],
+    }

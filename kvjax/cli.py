@@ -38,7 +38,13 @@ def cmd_generate(args) -> int:
     loaded = time.perf_counter()
     if model.tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer; kvjax generate needs one to read --prompt")
-    ids = model.tokenizer(prompt)["input_ids"]
+    if args.chat:
+        if not getattr(model.tokenizer, "chat_template", None):
+            raise SystemExit(f"{args.model}'s tokenizer has no chat template; drop --chat")
+        messages = [{"role": "user", "content": prompt}]
+        ids = list(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+    else:
+        ids = model.tokenizer(prompt)["input_ids"]
     tokens = kvjax.generate(
         model, [ids], args.max_new_tokens, policy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, page_size=args.page_size, chunk_size=args.chunk_size, decode_last=args.decode_last,
@@ -68,6 +74,8 @@ BENCHMARKS = {
     "attention": "kvjax.eval.bench_attention", "serving": "kvjax.eval.bench_serving",
     "memory": "kvjax.eval.bench_memory", "sweep": "kvjax.eval.sweep", "cacheclip": "kvjax.eval.bench_cacheclip",
     "model-accuracy": "kvjax.eval.model_accuracy", "locret-quality": "kvjax.eval.locret_quality",
+    "real": "kvjax.eval.bench_real",
+    "suite": "kvjax.eval.suite", "compare": "kvjax.eval.compare",
 }
 TRAINERS = {"locret": "kvjax.train.locret", "default-model": "kvjax.train.train_default_model"}
 DEMO, EVALUATE = "kvjax.eval.demo", "kvjax.eval.evaluate"
@@ -129,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", help="file holding the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template (instruct models)")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--policy", default="full", help="cache policy name (kvjax.make_policy)")
     gen.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE", help="policy option, repeatable")
