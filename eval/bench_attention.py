@@ -32,7 +32,7 @@ import numpy as np
 
 from kvjax import pallas_kernels as pk
 
-from ._report import default_out
+from ._report import cpu_load, default_out
 
 LLC_BYTES = 480 * 2**20  # last-level cache of the machines this project targets
 
@@ -142,13 +142,6 @@ class LargeRead:
     def measure(self, repeats: int):
         median, best = time_rotating(self, [()], repeats)
         return self.summary(median, best)
-
-
-def cpu_load():
-    try:
-        return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
-    except OSError:
-        return None
 
 
 def bench_model_context(shape, context, budgets, args, large_read: LargeRead, formulations):
