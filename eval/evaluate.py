@@ -2,6 +2,7 @@
 
     kvjax eval multikey --policy quest --budget 128 --length 2048 --json
     kvjax eval perplexity --text book.txt --policy streaming --budget 256
+    kvjax eval niah_single --model smollm2-135m --policy quest --budget 256 --length 2048
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 
-TASKS = ("passkey", "multikey", "perplexity", "longbench")
+from .retrieval import TASKS as RETRIEVAL_TASKS
+
+TASKS = RETRIEVAL_TASKS + ("perplexity", "longbench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +48,7 @@ def run(args) -> tuple[dict, str]:
     enable_compilation_cache()
     model = kvjax.load_model(args.model, dtype=args.dtype)
     policy = build_policy(args.policy, args.budget, args.dense_layers)
-    if args.task in ("passkey", "multikey"):
+    if args.task in RETRIEVAL_TASKS:
         from . import retrieval
 
         rows = []

@@ -106,8 +106,12 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
     if latency:
         for n_tokens in tqdm(lengths, desc="latency", disable=not progress):
             # the accuracy runs' batch shape, so the decode step compiled for them is reused
-            samples = retrieval.make_samples("passkey", n_tokens, batch_size, seed)
-            prompt = [model.tokenizer(s.prompt)["input_ids"] for s in samples]
+            if tasks[0] in retrieval.REAL_TASKS:
+                samples = retrieval.make_real_samples(model, tasks[0], n_tokens, batch_size, seed)
+                prompt = [list(s.context_ids) for s in samples]
+            else:
+                samples = retrieval.make_samples("passkey", n_tokens, batch_size, seed)
+                prompt = [model.tokenizer(s.prompt)["input_ids"] for s in samples]
             for name in policies:
                 budget = None if name == "full" else max(budgets)
                 timing = time_decode(model, build_policy(name, budget, dense_layers), prompt)

@@ -207,7 +207,7 @@ def test_demo_table_lists_every_policy():
     from kvjax.eval.demo import demo_table
 
     result = _fake_result()
-    result.update(budgets=[64], lengths=[512], num_samples=4, dense_layers=1, seconds=1.0,
+    result.update(budgets=[64], lengths=[512], num_samples=4, dense_layers=1, seconds=1.0, model="tiny",
                   machine={"processor": "cpu", "cpu_model": "test cpu"})
     result["accuracy"] = [r for r in result["accuracy"] if r["budget"] in (None, 64)]
     table = demo_table(result)
@@ -254,7 +254,7 @@ def test_default_model_recipe_sets_a_previous_token_head_and_trains():
     import optax
 
     from kvjax.attention import dense_causal_attention
-    from kvjax.models.transformer import CausalLM
+    from kvjax.models.transformer import CausalLM, unrolled
     from kvjax.rope import rope_frequencies
     from kvjax.train import train_default_model as tdm
 
@@ -274,7 +274,8 @@ def test_default_model_recipe_sets_a_previous_token_head_and_trains():
 
     T = tokens.shape[1]
     CausalLM(cfg, jnp.float32).apply({"params": params}, tokens, jnp.broadcast_to(jnp.arange(T), tokens.shape),
-                                     rope_frequencies(cfg), attend, None, method=CausalLM.hidden_and_logits)
+                                     rope_frequencies(cfg), unrolled(attend, cfg.num_layers), None,
+                                     method=CausalLM.hidden_and_logits)
     p = np.asarray(captured["p"])
     assert np.mean([p[:, i, i - 1] for i in range(1, T)]) > 0.9
     assert mask.sum() > 0 and not mask[:, 0].any()
