@@ -460,19 +460,19 @@ def build_engine(model, windows, paging: str, args, max_model_len: int):
 def run_engine(paging: str, model, windows, trace, args) -> tuple[dict, dict]:
     """Serves the trace on a fresh engine after compiling its two step shapes on a warm-up engine of the
     same geometry (compiles are not timed). Returns (result, outputs by trace index)."""
-    from kvjax.serving.paged_step import TRACE_COUNTS
+    from kvjax.compile_count import count_compiles
 
     max_model_len = max(len(prompt) + new for prompt, new in trace)
     warm = build_engine(model, windows, paging, args, max_model_len)
     warm.generate([list(range(args.engine_chunk + 3))], 2)  # one prefill and one decode shape
-    compiles_before = sum(TRACE_COUNTS.values())
-    engine = build_engine(model, windows, paging, args, max_model_len)
-    ids = [engine.submit(prompt, new) for prompt, new in trace]
-    progress = tqdm(total=len(trace), desc=f"engine/{paging}", leave=False, unit="req")
-    wall, cpu = time.perf_counter(), time.process_time()
-    while engine.has_unfinished:
-        progress.update(len(engine.step()))
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    with count_compiles() as compiles:  # model-step programs built while timed (0 when the warm-up covered them)
+        engine = build_engine(model, windows, paging, args, max_model_len)
+        ids = [engine.submit(prompt, new) for prompt, new in trace]
+        progress = tqdm(total=len(trace), desc=f"engine/{paging}", leave=False, unit="req")
+        wall, cpu = time.perf_counter(), time.process_time()
+        while engine.has_unfinished:
+            progress.update(len(engine.step()))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     progress.close()
     metrics = engine.metrics
     samples = metrics.waste_samples
@@ -488,7 +488,7 @@ def run_engine(paging: str, model, windows, trace, args) -> tuple[dict, dict]:
         "cpu_s": cpu,
         "steps": metrics.steps,
         "model_calls": metrics.model_calls,
-        "compiles_while_timed": sum(TRACE_COUNTS.values()) - compiles_before,
+        "compiles_while_timed": compiles.of("paged_model_step"),
         "generated_tokens": metrics.generated_tokens,
         "computed_tokens": metrics.computed_tokens,
         "generated_tokens_per_s": metrics.generated_tokens / wall,

@@ -1,5 +1,6 @@
 """Attention formulations in plain jnp: dense causal (no cache) and paged (a chunk of queries over a layer's
-pages). Softmax runs in float32. Query head h reads kv head h // G (HF's repeat_kv)."""
+pages). Softmax runs in float32. Query head h reads kv head h // G (HF's repeat_kv). A `layer` argument may
+be a traced int32 scalar (the steps scan over layers); the pages it reads stay static (`KVState.read_pages`)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import jax.numpy as jnp
 
 from kvjax.state import KVState, gather_layer
 
-_MASKED = -1e30  # finite, so fully masked rows (padding queries) stay NaN-free
+MASKED = -1e30  # finite, so fully masked rows (padding queries) stay NaN-free
 
 
-def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
+def grouped_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    """`q [B, T, Hq, D]` -> `[B, T, H, G, D]`: query head h*G + g reads kv head h (HF's repeat_kv order)."""
     B, T, Hq, D = q.shape
     return q.reshape(B, T, num_kv_heads, Hq // num_kv_heads, D)
+
 
 
 def dense_causal_attention(
@@ -36,13 +39,13 @@ def dense_causal_attention(
         end = min(start + block, T)
         scores = jnp.einsum("bthd,bshd->bhts", q[:, start:end], k_rep[:, :end], preferred_element_type=jnp.float32)
         causal = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
-        probs = jax.nn.softmax(jnp.where(causal, scores * scale, _MASKED), axis=-1)
+        probs = jax.nn.softmax(jnp.where(causal, scores * scale, MASKED), axis=-1)
         outs.append(jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v_rep[:, :end]))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
 def paged_attention(
-    q: jax.Array, q_positions: jax.Array, state: KVState, layer: int, scale: float | None = None,
+    q: jax.Array, q_positions: jax.Array, state: KVState, layer, scale: float | None = None,
     return_probs: bool = False,
 ):
     """Queries `q [B, T, Hq, D]` at `q_positions int32[B, T]` over every valid slot of `layer` whose original
@@ -52,20 +55,20 @@ def paged_attention(
     k, v, slot_pos, valid = gather_layer(state, layer)  # [B, H, S, D], [B, H, S]
     H = k.shape[1]
     scale = D**-0.5 if scale is None else scale
-    qg = _grouped(q, H)
+    qg = grouped_queries(q, H)
     scores = jnp.einsum("bthgd,bhsd->bhgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32) * scale
     visible = valid[:, :, None, None, :] & (slot_pos[:, :, None, None, :] <= q_positions[:, None, None, :, None])
-    scores = jnp.where(visible, scores, _MASKED)
+    scores = jnp.where(visible, scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bhgts,bhsd->bthgd", probs.astype(q.dtype), v.astype(q.dtype)).reshape(B, T, Hq, D)
     return (out, jnp.where(visible, probs, 0.0)) if return_probs else out
 
 
-def _layer_table(state: KVState, layer: int):
+def _layer_table(state: KVState, layer):
     return state.page_table[layer, :, :, : state.layer_read_pages(layer)], state.lengths[layer]
 
 
-def dense_decode_attention(q: jax.Array, state: KVState, layer: int) -> jax.Array:
+def dense_decode_attention(q: jax.Array, state: KVState, layer) -> jax.Array:
     """One decode query per head `q [B, 1, Hq, D]` over every valid slot of `layer`, through the
     backend-dispatched paged decode kernel (pallas_kernels). Returns `[B, 1, Hq, D]`."""
     from kvjax import pallas_kernels
@@ -74,7 +77,7 @@ def dense_decode_attention(q: jax.Array, state: KVState, layer: int) -> jax.Arra
     return pallas_kernels.paged_decode(q[:, 0], state.k_pages, state.v_pages, table, lengths)[:, None]
 
 
-def sparse_decode_attention(q: jax.Array, state: KVState, layer: int, selected: jax.Array) -> jax.Array:
+def sparse_decode_attention(q: jax.Array, state: KVState, layer, selected: jax.Array) -> jax.Array:
     """As `dense_decode_attention`, over the `selected int32[B, Hq or H, K]` logical pages plus each head's
     current page (Quest)."""
     from kvjax import pallas_kernels
@@ -84,7 +87,7 @@ def sparse_decode_attention(q: jax.Array, state: KVState, layer: int, selected: 
 
 
 def blocked_paged_attention(
-    q: jax.Array, q_positions: jax.Array, state: KVState, layer: int, block_pages: int = 32,
+    q: jax.Array, q_positions: jax.Array, state: KVState, layer, block_pages: int = 32,
     scale: float | None = None,
 ) -> jax.Array:
     """`paged_attention` for a chunk of queries, computed block by block with an online softmax.
@@ -104,7 +107,7 @@ def blocked_paged_attention(
     lengths = state.lengths[layer]  # [B, H]
     block_slots = block_pages * ps
     scale = D**-0.5 if scale is None else scale
-    qg = (_grouped(q, H) * scale).astype(q.dtype)  # [B, T, H, G, D]
+    qg = (grouped_queries(q, H) * scale).astype(q.dtype)  # [B, T, H, G, D]
 
     def body(i, carry):
         m, l, acc = carry  # [B, H, G, T], [B, H, G, T], [B, T, H, G, D]
@@ -117,7 +120,7 @@ def blocked_paged_attention(
         valid = (slot[None, None, :] < lengths[:, :, None]) & (pos >= 0) & jnp.repeat(pages >= 0, ps, axis=-1)
         visible = valid[:, :, None, None, :] & (pos[:, :, None, None, :] <= q_positions[:, None, None, :, None])
         s = jnp.einsum("bthgd,bhsd->bhgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
-        s = jnp.where(visible, s, _MASKED)
+        s = jnp.where(visible, s, MASKED)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None]) * visible
         correction = jnp.exp(m - m_new)
@@ -127,7 +130,7 @@ def blocked_paged_attention(
         return m_new, l, acc
 
     init = (
-        jnp.full((B, H, G, T), _MASKED, jnp.float32),
+        jnp.full((B, H, G, T), MASKED, jnp.float32),
         jnp.zeros((B, H, G, T), jnp.float32),
         jnp.zeros((B, T, H, G, D), jnp.float32),
     )

@@ -4,7 +4,8 @@
 logical slots 0..kept-1 of the same head (so they occupy ceil(kept / page_size) pages); pages past those
 go back on the free stack and leave the page table. `kmin`/`kmax` of the kept pages are recomputed
 exactly. The state's static `read_pages` then bounds the logical pages a compressed layer's attention
-reads, so decode reads (and compiles for) only the pages a bounded policy can still need.
+reads, so decode reads (and compiles for) only the pages a bounded policy can still need. `layer` may be a
+traced int32 scalar (the steps scan over layers).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def page_minmax(k_pages: jax.Array, pages: jax.Array, num_valid: jax.Array):
     return jnp.min(jnp.where(valid, k, jnp.inf), axis=-2), jnp.max(jnp.where(valid, k, -jnp.inf), axis=-2)
 
 
-def compact_layer(state: KVState, layer: int, keep_slots: jax.Array, keep_count: jax.Array) -> KVState:
+def compact_layer(state: KVState, layer, keep_slots: jax.Array, keep_count: jax.Array) -> KVState:
     """Keep `keep_slots int32[B, H, K]` (logical slot indices, the first `keep_count[b, h]` of each row real)
     of `layer` and free every page the kept slots no longer need."""
     ps, N, P = state.page_size, state.num_pages, state.max_pages
@@ -94,7 +95,7 @@ def compact_layer(state: KVState, layer: int, keep_slots: jax.Array, keep_count:
     )
 
 
-def evict_one_slot(state: KVState, layer: int, victim: jax.Array, evict: jax.Array, keys: jax.Array) -> KVState:
+def evict_one_slot(state: KVState, layer, victim: jax.Array, evict: jax.Array, keys: jax.Array) -> KVState:
     """Drop logical slot `victim int32[B, H]` of the heads where `evict bool[B, H]`.
 
     The slot becomes the head's hole (slot_pos -1); the next appended token fills it. Nothing in the K/V

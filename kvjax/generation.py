@@ -1,218 +1,39 @@
-"""Jit-compiled chunked prefill and decode over the paged KV state, and the public generation API.
+"""The public generation API and its host loops: chunked prefill, decode, generate, and the dense forward.
 
-One step function serves both: it appends a chunk of tokens `[B, C]` (C = chunk size for prefill, 1 for
-decode) to every layer's pages and attends over them. Shapes are static (chunk size, capacity, page size);
-lengths are arrays, so decoding never recompiles. The state is donated to each step.
+The loops drive the jitted steps of `kvjax.step` (one step appends a chunk `[B, C]` to every layer and
+attends; C = 1 decodes) through a `StepBackend`: one device by default, a mesh from `kvjax.distributed`.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import warnings
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.attention import (
-    blocked_paged_attention,
-    dense_causal_attention,
-    dense_decode_attention,
-    paged_attention,
-    sparse_decode_attention,
-)
+from kvjax.attention import dense_causal_attention
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.models import CausalLM
-from kvjax.compaction import compact_layer, evict_one_slot
-from kvjax.policies import FullPolicy, LayerView, Policy
+from kvjax.policies import FullPolicy, Policy
 from kvjax.rope import rope_frequencies, uses_long_factors
 from kvjax.sampling import sample_tokens, validate_sampling
-from kvjax.state import (
-    KVState,
-    add_slot_scores,
-    allocate_for_append,
-    append_to_layer,
-    CacheCapacityError,
-    gather_layer,
-    init_state,
-    overflow_error,
-    pages_for,
-)
-
-# How many times each jitted function was traced (i.e. compiled), by name and input shape. Tests use it to
-# show that decode does not recompile as it goes.
-TRACE_COUNTS: collections.Counter = collections.Counter()
+from kvjax.state import CacheCapacityError, KVState, overflow_error, pages_for
+from kvjax.step import LOCAL_BACKEND, StepBackend, new_window
 
 DEFAULT_CHUNK_SIZE = 512
 CAPACITY_BUCKET = 256  # default capacities round up to this many tokens, so nearby lengths share compiles
 
 
-def _bucketed(tokens: int) -> int:
+def bucketed(tokens: int) -> int:
+    """`tokens` rounded up to a multiple of `CAPACITY_BUCKET` (default capacities)."""
     return -(-tokens // CAPACITY_BUCKET) * CAPACITY_BUCKET
 
 
-# ----------------------------------------------------------------------------------------------- steps
-
-
-def _layer_view(state: KVState, layer: int, num_layers: int, next_position, **extra) -> LayerView:
-    k, _, slot_pos, valid = gather_layer(state, layer)
-    P = state.layer_read_pages(layer)
-    score = state.slot_score[jnp.clip(state.page_table[layer, :, :, :P], 0, state.num_pages - 1)]
-    return LayerView(
-        layer=layer, num_layers=num_layers, k=k, slot_pos=slot_pos, valid=valid,
-        slot_score=score.reshape(slot_pos.shape), lengths=state.lengths[layer], next_position=next_position,
-        **extra,
-    )
-
-
-def _keep_last(window, chunk, num_new):
-    """Each row's last w real entries of concat(window, chunk): `window [B, w, ...]`, `chunk [B, C, ...]`."""
-    w = window.shape[1]
-    rows = num_new[:, None] + jnp.arange(w)[None, :]  # [B, w] rows of the concatenation
-    rows = rows.reshape(rows.shape + (1,) * (window.ndim - 2))
-    return jnp.take_along_axis(jnp.concatenate([window, chunk.astype(window.dtype)], axis=1), rows, axis=1)
-
-
-def new_window(cfg: ModelConfig, batch: int, size: int, dtype):
-    """The prefill carry of the last `size` queries per layer (None when the policy needs none)."""
-    if size <= 0:
-        return None
-    return {
-        "q": jnp.zeros((cfg.num_layers, batch, size, cfg.num_heads, cfg.head_dim), dtype),
-        "pos": jnp.full((batch, size), -1, jnp.int32),
-    }
-
-
-def _append_and_attend(state: KVState, layer: int, q, k, v, positions, num_new, *, policy: Policy, decoding: bool,
-                       need_probs: bool, score=None):
-    """One layer of an append step on one state (a whole state, or one shard's): write the chunk's k/v, then
-    attend, through the policy's page selection when decoding. With `need_probs`, also the chunk's attention
-    probabilities `f32[B, H, G, C, S]` (padding rows zeroed), added to `slot_score` for accumulating
-    policies. Returns `(state, out [B, C, Hq, D], probs or None)`."""
-    state = append_to_layer(state, layer, k, v, positions, num_new, score=score)
-    selected = policy.select_pages(layer, q[:, 0], state) if decoding else None
-    if selected is not None:
-        return state, sparse_decode_attention(q, state, layer, selected), None
-    if not need_probs:
-        if decoding:
-            return state, dense_decode_attention(q, state, layer), None
-        return state, blocked_paged_attention(q, positions, state, layer), None
-    out, probs = paged_attention(q, positions, state, layer, return_probs=True)
-    real = (jnp.arange(q.shape[1])[None, :] < num_new[:, None])[:, None, None, :, None]
-    probs = jnp.where(real, probs, 0.0)
-    if policy.accumulates_attention:
-        state = add_slot_scores(state, layer, probs.sum(axis=(2, 3)))
-    return state, out, probs
-
-
-def _decode_victim(policy: Policy, view: LayerView) -> jax.Array:
-    """int32[B, H]: each head's lowest-scoring valid slot after a decode step (policies evicting while decoding)."""
-    scores = jnp.where(view.valid, policy.decode_scores(view), jnp.inf)
-    return jnp.argmin(scores, axis=-1).astype(jnp.int32)
-
-
-def _over_decode_budget(state: KVState, layer: int, policy: Policy) -> jax.Array:
-    """bool[B, H]: heads holding more than the policy's decode budget (a pending hole does not count)."""
-    return state.lengths[layer] - (state.hole[layer] >= 0) > policy.decode_budget(0)
-
-
-def _forward_chunk(params, cfg: ModelConfig, dtype, tokens, positions, num_new, last_logits, attend, state, window,
-                   window_q: list):
-    """The model over one chunk with `attend` (which appends each layer's window queries to `window_q`).
-    Returns `(state, window carry, logits f32[B, V])`: logits at each row's last real token, `last_logits`
-    where a row has none."""
-    B, C = tokens.shape
-    module = CausalLM(cfg, dtype)
-    rope = rope_frequencies(cfg, state.long_rope)
-    hidden, state = module.apply({"params": params}, tokens, positions, rope, attend, state)
-    if window is not None:
-        window = {"q": jnp.stack(window_q), "pos": _keep_last(window["pos"], positions, num_new)}
-    last = jnp.clip(num_new - 1, 0, C - 1)
-    logits = module.apply({"params": params}, hidden[jnp.arange(B), last], method=CausalLM.logits)
-    return state, window, jnp.where((num_new > 0)[:, None], logits, last_logits)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "policy"), donate_argnames=("state", "window"))
-def _append_step(
-    params, state: KVState, window, tokens, num_new, last_logits, policy_params=None, *, cfg: ModelConfig, dtype, policy: Policy
-):
-    """Append `tokens int32[B, C]` (the first `num_new[b]` of each row are real) and attend.
-    `policy_params` is `policy.device_params()` (arrays its hooks read, e.g. Locret's heads).
-
-    C = 1 is a decode step: the policy's page selection and decode-time eviction apply. Returns the state,
-    the window carry and logits f32[B, V] at each row's last real token (`last_logits` where num_new is 0).
-    """
-    B, C = tokens.shape
-    decoding = C == 1
-    TRACE_COUNTS[("append_step", B, C)] += 1
-    positions = state.next_position[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
-    state, ok = allocate_for_append(state, num_new, C)
-    num_new = jnp.where(ok, num_new, 0)
-    seen = state.next_position + num_new
-    window_q = []
-
-    def attend(layer, inputs, state):
-        compressed = policy.compresses_layer(layer)
-        need_probs = compressed and (policy.accumulates_attention or (decoding and policy.evicts_while_decoding))
-        score = policy.append_scores(layer, inputs, policy_params) if compressed else None
-        state, out, probs = _append_and_attend(
-            state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, policy=policy, decoding=decoding,
-            need_probs=need_probs, score=score,
-        )
-        if probs is not None and decoding and policy.evicts_while_decoding:
-            view = _layer_view(state, layer, cfg.num_layers, seen, probs=probs[:, :, :, 0])
-            state = evict_one_slot(
-                state, layer, _decode_victim(policy, view), _over_decode_budget(state, layer, policy), view.k
-            )
-        if window is not None:
-            window_q.append(_keep_last(window["q"][layer], inputs.q, num_new))
-        return out, state
-
-    state, window, logits = _forward_chunk(
-        params, cfg, dtype, tokens, positions, num_new, last_logits, attend, state, window, window_q
-    )
-    return state.replace(next_position=seen), window, logits
-
-
-@functools.partial(
-    jax.jit, static_argnames=("num_layers", "policy", "keep_bound", "read_pages"), donate_argnames=("state",)
-)
-def _compress_step(state: KVState, window, final=None, *, num_layers: int, policy: Policy, keep_bound: int, read_pages: tuple):
-    """Apply the policy's keep sets to every compressed layer, then bound each layer's pages to `read_pages`.
-    `final bool[B]` (per-chunk compression): whether this was each sequence's last prefill chunk."""
-    TRACE_COUNTS[("compress_step", keep_bound)] += 1
-    for layer in range(num_layers):
-        if not policy.compresses_layer(layer):
-            continue
-        extra = {} if window is None else {"window_q": window["q"][layer], "window_pos": window["pos"]}
-        extra["final_chunk"] = final
-        view = _layer_view(state, layer, num_layers, state.next_position, **extra)
-        keep_slots, keep_count = policy.compress_layer(view, keep_bound)
-        state = compact_layer(state, layer, keep_slots, keep_count)
-    return state.replace(read_pages=read_pages)
-
-
-class StepBackend(NamedTuple):
-    """Where the host loop's state lives and which jitted steps advance it: one device (`LOCAL_BACKEND`) or a
-    device mesh (`kvjax.distributed`, which stacks one state per shard). The prefill, decode and generate
-    loops below are written once against it."""
-
-    new_state: Callable[..., KVState]  # (cfg, B, capacity, page_size, num_pages, dtype, long_rope, read_pages)
-    append_step: Callable  # `_append_step`'s signature
-    compress_step: Callable  # `_compress_step`'s signature
-    overflow_error: Callable[[KVState], Exception | None]
-    put: Callable[[Any], jax.Array]  # a host array with a leading batch axis -> a device array
-
-
-def _local_state(cfg, batch, capacity, page_size, num_pages, dtype, long_rope, read_pages) -> KVState:
-    state = init_state(cfg, batch, capacity, page_size, num_pages=num_pages, dtype=dtype, long_rope=long_rope)
-    return state.replace(read_pages=read_pages)
-
-
-LOCAL_BACKEND = StepBackend(_local_state, _append_step, _compress_step, overflow_error, jnp.asarray)
+# ------------------------------------------------------------------------------------------ dense
 
 
 def dense_forward(params, tokens, cfg: ModelConfig, dtype=jnp.float32, long_rope: bool = False) -> jax.Array:
@@ -232,7 +53,6 @@ def dense_forward(params, tokens, cfg: ModelConfig, dtype=jnp.float32, long_rope
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "long_rope"))
 def _dense_logits(params, tokens, *, cfg: ModelConfig, dtype, long_rope: bool):
-    TRACE_COUNTS[("dense_logits", *tokens.shape)] += 1
     return dense_forward(params, tokens, cfg, dtype, long_rope)
 
 
@@ -292,7 +112,7 @@ def _warn_sliding_window(cfg: ModelConfig, length: int) -> None:
         )
 
 
-def _policy_or_full(policy: Policy | None) -> Policy:
+def policy_or_full(policy: Policy | None) -> Policy:
     if policy is None:
         return FullPolicy()
     if not isinstance(policy, Policy):
@@ -314,7 +134,7 @@ def forward_logits(model: Model, tokens) -> jax.Array:
     return _dense_logits(model.params, array, cfg=model.cfg, dtype=model.dtype, long_rope=long_rope)
 
 
-def _prefill_rows(
+def prefill_rows(
     model: Model,
     rows: list[np.ndarray],
     policy: Policy,
@@ -323,8 +143,12 @@ def _prefill_rows(
     chunk_size: int,
     declared_length: int,
     reserve_tokens: int,
-    backend: StepBackend = LOCAL_BACKEND,
+    backend: StepBackend | None = None,
 ) -> tuple[KVState, jax.Array]:
+    """Chunked prefill of validated token rows on `backend` (default: one device, `LOCAL_BACKEND`), with
+    `capacity` tokens per (layer, head), LongRoPE decided from `declared_length`, and room for
+    `reserve_tokens` more tokens after compression. Returns `(state, logits f32[B, V])`."""
+    backend = backend or LOCAL_BACKEND
     cfg = model.cfg
     policy.validate(page_size)
     _warn_sliding_window(cfg, declared_length)
@@ -341,7 +165,7 @@ def _prefill_rows(
     num_pages = read_bound = None
     if per_chunk:
         full = pages_for(capacity, page_size)
-        bounded = min(full, pages_for(_bucketed(slots_needed), page_size))
+        bounded = min(full, pages_for(bucketed(slots_needed), page_size))
         read_bound = tuple(bounded if policy.compresses_layer(l) else full for l in range(cfg.num_layers))
         num_pages = B * cfg.num_kv_heads * sum(read_bound)
     state = backend.new_state(
@@ -382,7 +206,7 @@ def _prefill_rows(
     if policy.compresses and not per_chunk:
         keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths)
         grow = 1 if policy.evicts_while_decoding else reserve_tokens
-        bounded = min(state.max_pages, pages_for(_bucketed(keep_bound + grow), page_size))
+        bounded = min(state.max_pages, pages_for(bucketed(keep_bound + grow), page_size))
         read_pages = tuple(bounded if policy.compresses_layer(l) else state.max_pages for l in range(cfg.num_layers))
         state = backend.compress_step(state, window, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages)
     return state, logits
@@ -404,15 +228,15 @@ def prefill(
     head) defaults to the longest prompt plus `max_new_tokens`, the room left for `decode_step`; an explicit
     capacity need only hold the prompts (decode raises `CacheCapacityError` when it fills up).
     """
-    policy = _policy_or_full(policy)
+    policy = policy_or_full(policy)
     rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
     longest = max(len(r) for r in rows)
     if capacity is None:
         # LongRoPE decides from the declared length, not from the bucketed capacity
-        declared, reserve, capacity = longest + max_new_tokens, max_new_tokens, _bucketed(longest + max_new_tokens)
+        declared, reserve, capacity = longest + max_new_tokens, max_new_tokens, bucketed(longest + max_new_tokens)
     else:
         declared, reserve = capacity, 0
-    return _prefill_rows(model, rows, policy, page_size, capacity, chunk_size, declared, reserve)
+    return prefill_rows(model, rows, policy, page_size, capacity, chunk_size, declared, reserve)
 
 
 def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None = None) -> tuple[jax.Array, KVState]:
@@ -421,7 +245,7 @@ def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None =
     The input state is donated (its buffers are reused); use the returned one. Raises `CacheCapacityError`
     when the cache is full.
     """
-    policy = _policy_or_full(policy)
+    policy = policy_or_full(policy)
     tokens = np.asarray(token_ids, np.int32).reshape(-1)
     B = state.next_position.shape[0]
     if tokens.shape[0] != B:
@@ -435,8 +259,9 @@ def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None =
 
 
 def _decode(
-    model: Model, state: KVState, tokens: jax.Array, policy: Policy, backend: StepBackend = LOCAL_BACKEND
+    model: Model, state: KVState, tokens: jax.Array, policy: Policy, backend: StepBackend | None = None
 ) -> tuple[jax.Array, KVState]:
+    backend = backend or LOCAL_BACKEND
     B = tokens.shape[0]
     state, _, logits = backend.append_step(
         model.params, state, None, backend.put(tokens[:, None]), backend.put(jnp.ones((B,), jnp.int32)),
@@ -471,20 +296,21 @@ def generate(
     steps (Quest's protocol: the question arrives after compression). `eos_token_id` defaults to the model's.
     """
     rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
-    return _generate_rows(
+    return generate_rows(
         model, rows, max_new_tokens, policy, decode_last=decode_last, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, page_size=page_size, capacity=capacity, chunk_size=chunk_size,
         eos_token_id=eos_token_id, return_logprobs=return_logprobs,
     )
 
 
-def _generate_rows(
+def generate_rows(
     model: Model, rows: list[np.ndarray], max_new_tokens: int, policy: Policy | None, *, decode_last: int,
     temperature: float, top_k: int, top_p: float, seed: int, page_size: int, capacity: int | None, chunk_size: int,
-    eos_token_id, return_logprobs: bool, backend: StepBackend = LOCAL_BACKEND,
+    eos_token_id, return_logprobs: bool, backend: StepBackend | None = None,
 ):
-    """`generate` on validated token rows, with the state on `backend` (one device or a mesh)."""
-    policy = _policy_or_full(policy)
+    """`generate` on validated token rows, with the state on `backend` (one device by default, or a mesh)."""
+    backend = backend or LOCAL_BACKEND
+    policy = policy_or_full(policy)
     validate_sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -492,10 +318,10 @@ def _generate_rows(
     if not 0 <= decode_last < shortest:
         raise ValueError(f"decode_last must be in [0, shortest prompt length {shortest}), got {decode_last}")
     needed = longest + max_new_tokens
-    capacity = _bucketed(needed) if capacity is None else capacity
+    capacity = bucketed(needed) if capacity is None else capacity
     eos = model.eos_token_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
 
-    state, logits = _prefill_rows(
+    state, logits = prefill_rows(
         model, [r[: len(r) - decode_last] for r in rows], policy, page_size, capacity, chunk_size, needed,
         max_new_tokens + decode_last, backend,
     )

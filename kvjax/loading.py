@@ -69,10 +69,16 @@ def _dummy_rope(cfg: ModelConfig):
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype="float32", std: float = 0.02) -> Any:
-    """Random parameters (normal, std 0.02; norms at 1), for tests and benchmarks."""
+    """Random parameters (normal, std 0.02; norms at 1), for tests and benchmarks.
+
+    Each layer's arrays are drawn as when layers were separate subtrees (`layers_0`, `layers_1`, ...,
+    one key per leaf in that tree's order), then stacked, so a seed gives the weights it always gave."""
     dtype = resolve_dtype(dtype)
     shapes = param_shapes(cfg, dtype)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    per_layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
+    unstacked = {k: v for k, v in shapes.items() if k != "layers"}
+    unstacked.update({f"layers_{l}": per_layer for l in range(cfg.num_layers)})
+    leaves = jax.tree_util.tree_flatten_with_path(unstacked)[0]
     keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
     out = []
     for key, (path, spec) in zip(keys, leaves):
@@ -80,12 +86,15 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype="float32", std: float = 0
             out.append(jnp.ones(spec.shape, dtype))
         else:
             out.append((jax.random.normal(key, spec.shape, jnp.float32) * std).astype(dtype))
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), out)
+    drawn = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(unstacked), out)
+    params = {k: v for k, v in drawn.items() if not k.startswith("layers_")}
+    params["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[drawn[f"layers_{l}"] for l in range(cfg.num_layers)])
+    return params
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, Any]:
     """All tensors of a local checkpoint directory: `model.safetensors.index.json` shards, or `*.safetensors`."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = os.fspath(path)
     index = os.path.join(path, "model.safetensors.index.json")
@@ -102,9 +111,12 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"no *.safetensors files in {path!r}")
     tensors: dict[str, Any] = {}
     for file in files:
-        with safe_open(file, framework="flax") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+        try:
+            with safe_open(file, framework="flax") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"cannot read safetensors file {file!r} (truncated or corrupt?): {error}") from error
     return tensors
 
 
@@ -124,21 +136,29 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def load_model(path: str | os.PathLike, dtype="float32") -> Model:
-    """Load `config.json`, safetensors weights and the tokenizer from a local HF directory, or the model
-    kvjax ships when `path` is "tiny" (and no directory of that name exists).
+    """Load a model: a local HF directory (`config.json`, safetensors, tokenizer), a `.gguf` file, "tiny" (the
+    model kvjax ships) or a registered name fetched with `kvjax fetch NAME` (see `kvjax.hub`).
 
     `dtype` ("float32", "bfloat16", "float16") is the parameter and compute dtype; attention softmax and
-    logits are float32. Raises `CheckpointError` naming missing, unexpected or mis-shaped tensors.
+    logits are float32. Raises `CheckpointError` naming missing, unexpected or mis-shaped tensors, or an
+    unreadable file; `FileNotFoundError` for a missing path or a registered model not fetched yet.
     """
-    path = os.fspath(path)
-    if path == "tiny" and not os.path.isdir(path):
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-llama")
-    if not os.path.isdir(path):
-        raise FileNotFoundError(
-            f"model directory {path!r} does not exist (kvjax loads local Hugging Face directories; "
-            "download hub models with `huggingface-cli download` first)"
-        )
-    cfg = ModelConfig.from_pretrained(path)
+    from kvjax.hub import resolve_model
+
+    path = resolve_model(path)
+    if path.lower().endswith(".gguf") and os.path.isfile(path):
+        from kvjax.models.gguf import load_gguf
+
+        hf_config, tensors, tokenizer = load_gguf(path)
+        cfg = ModelConfig.from_hf_dict(hf_config)
+    else:
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"model {path!r} does not exist (kvjax loads a local Hugging Face directory, a .gguf file, 'tiny' "
+                "or a name registered in kvjax.hub; see `kvjax fetch --list`)"
+            )
+        cfg = ModelConfig.from_pretrained(path)
+        tensors, tokenizer = read_safetensors(path), load_tokenizer(path)
     dtype = resolve_dtype(dtype)
-    params = params_from_hf(cfg, read_safetensors(path), param_shapes(cfg, dtype), dtype)
-    return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(path), dtype=dtype)
+    params = params_from_hf(cfg, tensors, param_shapes(cfg, dtype), dtype)
+    return Model(cfg=cfg, params=params, tokenizer=tokenizer, dtype=dtype)

@@ -5,6 +5,9 @@ One page holds `page_size` consecutive cache slots of one kv-head of one layer. 
 hold different numbers of pages (uneven budgets free real memory). Pages are allocated inside `jit` from a
 free stack. A step that cannot get the pages it needs writes nothing and records why in `overflow`; the
 host turns that into a `CacheCapacityError`. Nothing is ever written out of bounds or over a live page.
+
+Functions taking a `layer` accept an int or a traced int32 scalar (inside a scan over layers); the pages a
+layer reads (`read_pages`) stay static either way (see `KVState.for_layers`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from kvjax.config import ModelConfig
@@ -53,8 +57,29 @@ class KVState:
     # Logical pages attention reads per layer (static), after a policy bounded the layer; None = all.
     read_pages: tuple | None = struct.field(pytree_node=False, default=None)
 
-    def layer_read_pages(self, layer: int) -> int:
-        return self.max_pages if self.read_pages is None else self.read_pages[layer]
+    def layer_read_pages(self, layer) -> int:
+        """Logical pages attention reads in `layer` (static). Inside a scan over layers `layer` is traced:
+        then every layer must read the same number (`for_layers` makes it so for a segment)."""
+        if self.read_pages is None:
+            return self.max_pages
+        if isinstance(layer, (int, np.integer)):
+            return self.read_pages[layer]
+        if len(set(self.read_pages)) != 1:
+            raise ValueError(
+                f"a traced layer index needs one read bound for every layer, got {self.read_pages}: scan layers "
+                "in segments of equal bounds and use KVState.for_layers(start, stop)"
+            )
+        return self.read_pages[0]
+
+    def for_layers(self, start: int, stop: int) -> "KVState":
+        """This state as layers `start .. stop - 1` read it: their common read bound for every layer, so
+        their ops accept a traced layer index. Restore `read_pages` before the state leaves the segment."""
+        if self.read_pages is None:
+            return self
+        bounds = set(self.read_pages[start:stop])
+        if len(bounds) != 1:
+            raise ValueError(f"layers {start}..{stop - 1} read different page counts {self.read_pages[start:stop]}")
+        return self.replace(read_pages=(bounds.pop(),) * len(self.read_pages))
 
     @property
     def page_size(self) -> int:
@@ -173,7 +198,7 @@ def allocate_for_append(state: KVState, num_new: jax.Array, max_new_tokens: int)
 
 
 def append_to_layer(
-    state: KVState, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array, num_new: jax.Array,
+    state: KVState, layer, k: jax.Array, v: jax.Array, positions: jax.Array, num_new: jax.Array,
     score: jax.Array | None = None,
 ) -> KVState:
     """Write the first `num_new[b]` tokens of `k, v [B, C, H, D]` (at `positions int32[B, C]`) after each
@@ -208,7 +233,7 @@ def append_to_layer(
     )
 
 
-def gather_layer(state: KVState, layer: int):
+def gather_layer(state: KVState, layer):
     """One layer's slots in logical order: k, v `[B, H, S, D]`, slot positions `int32[B, H, S]` and a
     validity mask `bool[B, H, S]` (S = read pages * page_size). Reads the layer's `read_pages`."""
     pt = jnp.clip(state.page_table[layer, :, :, : state.layer_read_pages(layer)], 0, state.num_pages - 1)  # [B, H, P]
@@ -240,7 +265,7 @@ def overflow_error(state: KVState) -> CacheCapacityError | None:
     return CacheCapacityError(msg, needed, available)
 
 
-def add_slot_scores(state: KVState, layer: int, delta: jax.Array) -> KVState:
+def add_slot_scores(state: KVState, layer, delta: jax.Array) -> KVState:
     """Add `delta f32[B, H, S]` (in `gather_layer`'s slot order) to the layer's `slot_score`."""
     P = state.layer_read_pages(layer)
     table = state.page_table[layer, :, :, :P]

@@ -31,7 +31,7 @@ import kvjax  # noqa: E402
 from kvjax import distributed as dist  # noqa: E402
 from kvjax.compaction import kept_positions  # noqa: E402
 from kvjax.config import ModelConfig  # noqa: E402
-from kvjax.distributed.generation import TRACE_COUNTS  # noqa: E402
+from kvjax.compile_count import count_compiles  # noqa: E402
 from kvjax.loading import Model, init_params  # noqa: E402
 
 VOCAB = 97
@@ -95,24 +95,24 @@ def kept_by_head(state, shards=None):
     return out
 
 
-def check_generate(model: Model, mesh_name: str, name: str, on_indivisible="error") -> dict:
+def check_generate(model: Model, mesh_name: str, name: str, on_indivisible="error", pol=None, rows=None) -> dict:
     mesh = mesh_of(mesh_name)
-    pol = policy(name, model.cfg)
-    rows = prompts(len(mesh.devices.flat) if mesh_name == "8x1" else 4)
-    start = time.time()
-    ref = kvjax.generate(model, rows, NEW_TOKENS, pol, chunk_size=16)
-    ref_seconds = time.time() - start
-    start = time.time()
-    traces = dict(TRACE_COUNTS)
-    out = dist.generate_sharded(model, rows, NEW_TOKENS, pol, mesh=mesh, chunk_size=16, on_indivisible=on_indivisible)
-    seconds = time.time() - start
-    decode_key = ("append_step", len(rows) + -len(rows) % mesh.shape["data"], 1)
-    decode_traces = TRACE_COUNTS[decode_key] - traces.get(decode_key, 0)
-    # the state after prefill: same kept positions per (layer, sequence, head), pages resident per shard
+    pol = policy(name, model.cfg) if pol is None else pol
+    rows = prompts(len(mesh.devices.flat) if mesh_name == "8x1" else 4) if rows is None else rows
+    # the state after prefill: same kept positions per (layer, sequence, head), pages resident per shard.
+    # Run first, so the generations below build only their decode programs.
     ref_state, ref_logits = kvjax.prefill(model, rows, pol, chunk_size=16, max_new_tokens=NEW_TOKENS)
     state, logits, plan = dist.prefill_sharded(
         model, rows, pol, mesh=mesh, chunk_size=16, max_new_tokens=NEW_TOKENS, on_indivisible=on_indivisible
     )
+    start = time.time()
+    ref = kvjax.generate(model, rows, NEW_TOKENS, pol, chunk_size=16)
+    ref_seconds = time.time() - start
+    start = time.time()
+    with count_compiles() as compiles:
+        out = dist.generate_sharded(model, rows, NEW_TOKENS, pol, mesh=mesh, chunk_size=16, on_indivisible=on_indivisible)
+    seconds = time.time() - start
+    decode_traces = compiles.of("_sharded_append_step")
     shards = {tuple(s.data.shape) for s in state.k_pages.addressable_shards}
     devices = {s.device for s in state.k_pages.addressable_shards}
     return {
@@ -126,6 +126,20 @@ def check_generate(model: Model, mesh_name: str, name: str, on_indivisible="erro
         "decode_traces": decode_traces,  # the decode step compiled once for all NEW_TOKENS - 1 steps
         "ref_seconds": ref_seconds, "sharded_seconds": seconds,
     }
+
+
+def check_matrix(model: Model, mesh_name: str) -> list[dict]:
+    """Every case of the policy matrix (tests/policy_cases.py) on a ragged batch of two, sharded against one
+    device, as `check_generate` compares them."""
+    from policy_cases import matrix_cases
+
+    out = []
+    for case in matrix_cases(model.cfg, page_size=16):
+        try:
+            out.append(check_generate(model, mesh_name, case.id, pol=case.policy, rows=prompts(2)))
+        except Exception as error:  # one failing case must not hide the others
+            out.append({"mesh": mesh_name, "policy": case.id, "error": f"{type(error).__name__}: {error}"})
+    return out
 
 
 def check_indivisible() -> dict:
@@ -193,6 +207,7 @@ def main(argv=None) -> None:
     parser.add_argument("--generate", default="", help="comma list of MESH:POLICY[:replicate], e.g. 1x8:tova")
     parser.add_argument("--train", default="", help="comma list of meshes, e.g. 8x1,2x4")
     parser.add_argument("--indivisible", action="store_true")
+    parser.add_argument("--matrix", default="", help="a mesh for every policy matrix case, e.g. 1x2")
     args = parser.parse_args(argv)
     result = {"devices": len(jax.devices()), "jax": jax.__version__, "generate": [], "train": []}
     model = tiny_model()
@@ -204,6 +219,8 @@ def main(argv=None) -> None:
         result["train"].append(check_train(model, mesh_name))
     if args.indivisible:
         result["indivisible"] = check_indivisible()
+    if args.matrix:
+        result["matrix"] = check_matrix(model, args.matrix)
     print(json.dumps(result))
 
 

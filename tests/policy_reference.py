@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax.attention import dense_causal_attention
-from kvjax.models import CausalLM
+from kvjax.models import CausalLM, unrolled
 from kvjax.rope import rope_frequencies
 
 
@@ -22,7 +22,8 @@ def capture_qk(model, tokens: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndar
     T = tokens.shape[1]
     positions = jnp.arange(T, dtype=jnp.int32)[None]
     CausalLM(model.cfg, model.dtype).apply(
-        {"params": model.params}, jnp.asarray(tokens), positions, rope_frequencies(model.cfg), attend, None
+        {"params": model.params}, jnp.asarray(tokens), positions, rope_frequencies(model.cfg),
+        unrolled(attend, model.cfg.num_layers), None,
     )
     return store
 

@@ -72,7 +72,7 @@ def test_depths_cycle_and_accuracy_by_depth():
     assert retrieval.accuracy(records) == 0.5
     by_depth = retrieval.accuracy_by_depth(records)
     assert by_depth["0.0-0.2"] == 1.0 and by_depth["0.8-1.0"] == 0.0
-    with pytest.raises(ValueError, match="unknown retrieval task"):
+    with pytest.raises(ValueError, match="unknown synthetic retrieval task"):
         retrieval.make_samples("needle", 300, 1)
 
 

@@ -14,7 +14,7 @@ from kvjax.locret import HeadsConfig, init_heads, load_heads, retaining_scores
 from kvjax.locret.data import build_examples, make_batch
 from kvjax.locret.labels import Batch, compute_targets
 from kvjax.locret.training import head_loss
-from kvjax.models import CausalLM
+from kvjax.models import CausalLM, unrolled
 from kvjax.rope import rope_frequencies
 from kvjax.attention import dense_causal_attention
 from kvjax.train import locret as train_locret
@@ -32,7 +32,8 @@ def dense_capture(model, tokens):
         return dense_causal_attention(inputs.q, inputs.k, inputs.v), carry
 
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)[None]
-    CausalLM(model.cfg).apply({"params": model.params}, jnp.asarray(tokens)[None], positions, rope_frequencies(model.cfg), attend, None)
+    CausalLM(model.cfg).apply({"params": model.params}, jnp.asarray(tokens)[None], positions, rope_frequencies(model.cfg),
+                              unrolled(attend, model.cfg.num_layers), None)
     return store
 
 

@@ -57,7 +57,7 @@ def test_quest_selection_matches_numpy(model, per_kv_head):
     state, _ = kvjax.prefill(model, prompts, chunk_size=64, page_size=16)
     policy = kvjax.make_policy("quest", token_budget=64, dense_layers=1, per_kv_head=per_kv_head)
     q = np.random.default_rng(5).normal(size=(2, model.cfg.num_heads, model.cfg.head_dim)).astype(np.float32)
-    assert policy.select_pages(0, jnp.asarray(q), state) is None  # a dense layer
+    assert not policy.selects_pages(0) and policy.selects_pages(1)  # layer 0 is dense: the step reads it whole
     selected = np.asarray(policy.select_pages(1, jnp.asarray(q), state))
     reference = numpy_quest_selection(state, 1, q, 64, per_kv_head)
     assert selected.shape == (2, model.cfg.num_kv_heads if per_kv_head else model.cfg.num_heads, 3)

@@ -10,7 +10,7 @@ import pytest
 
 import kvjax
 from kvjax.attention import dense_causal_attention
-from kvjax.models import CausalLM
+from kvjax.models import CausalLM, unrolled
 from kvjax.rag import (
     AuxScorer, ChunkStore, assemble, cacheblend_prefill, cacheclip_prefill, direct_reuse, group_windows, rag_prefill,
     recompute,
@@ -136,7 +136,8 @@ def _reference_aux_scores(aux_model, tokens, query_len):
 
     def forward(params, tokens):
         positions = jnp.arange(T, dtype=jnp.int32)[None]
-        return CausalLM(cfg).apply({"params": params}, tokens[None], positions, rope_frequencies(cfg), attend, None)[1]
+        return CausalLM(cfg).apply({"params": params}, tokens[None], positions, rope_frequencies(cfg),
+                                   unrolled(attend, cfg.num_layers), None)[1]
 
     probs = jax.jit(forward)(aux_model.params, jnp.asarray(tokens))
     return np.asarray(probs[-query_len:].mean(axis=0))

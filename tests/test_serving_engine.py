@@ -17,7 +17,7 @@ import transformers
 
 import kvjax
 from conftest import VOCAB, random_tokens
-from kvjax.models import CausalLM
+from kvjax.models import CausalLM, unrolled
 from kvjax.rope import rope_frequencies
 from kvjax.serving import RequestTooLargeError
 from kvjax.serving.engine import Engine
@@ -64,7 +64,7 @@ def _dense_forward(params, tokens, *, cfg, dtype, windows):
 
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens.shape)
     logits, _ = CausalLM(cfg, dtype).apply(
-        {"params": params}, tokens, positions, rope_frequencies(cfg, False), attend, None,
+        {"params": params}, tokens, positions, rope_frequencies(cfg, False), unrolled(attend, cfg.num_layers), None,
         method=CausalLM.hidden_and_logits,
     )
     return logits

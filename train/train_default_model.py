@@ -78,8 +78,8 @@ def set_previous_token_head(params, cfg, recipe: Recipe, const_dim: int = 0):
     params["embed_tokens"]["embedding"] = embed.at[:, const_dim].set(recipe.const_embedding)
     inv_freq, _ = rope_frequencies(cfg)
     D, half = cfg.head_dim, cfg.head_dim // 2
-    attn = params["layers_0"]["self_attn"]
-    q_kernel, k_kernel = attn["q_proj"]["kernel"], attn["k_proj"]["kernel"]  # [hidden, heads * D]
+    attn = params["layers"]["self_attn"]  # stacked [L, ...]: layer 0 is row 0
+    q_kernel, k_kernel = attn["q_proj"]["kernel"][0], attn["k_proj"]["kernel"][0]  # [hidden, heads * D]
     q_row = jnp.zeros(q_kernel.shape[1])
     k_row = jnp.zeros(k_kernel.shape[1])
     s = recipe.prev_head_scale
@@ -90,9 +90,10 @@ def set_previous_token_head(params, cfg, recipe: Recipe, const_dim: int = 0):
     # only head 0's / kv head 0's columns are replaced
     q_kernel = q_kernel.at[const_dim, :D].set(q_row[:D]).at[1:, :D].multiply(0.1)
     k_kernel = k_kernel.at[const_dim, :D].set(k_row[:D]).at[1:, :D].multiply(0.1)
-    attn["q_proj"]["kernel"], attn["k_proj"]["kernel"] = q_kernel, k_kernel
+    attn["q_proj"]["kernel"] = attn["q_proj"]["kernel"].at[0].set(q_kernel)
+    attn["k_proj"]["kernel"] = attn["k_proj"]["kernel"].at[0].set(k_kernel)
     # its values carry the previous token's identity, not the constant
-    attn["v_proj"]["kernel"] = attn["v_proj"]["kernel"].at[const_dim, :D].set(0.0)
+    attn["v_proj"]["kernel"] = attn["v_proj"]["kernel"].at[0, const_dim, :D].set(0.0)
     return params
 
 

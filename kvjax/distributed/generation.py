@@ -12,7 +12,6 @@ their small score arrays move. Page selection (`select_pages`, Quest) is per hea
 
 from __future__ import annotations
 
-import collections
 import functools
 from typing import Sequence
 
@@ -25,26 +24,20 @@ from kvjax.compaction import compact_layer, evict_one_slot
 from kvjax.config import ModelConfig
 from kvjax.distributed.mesh import AXES, DATA, ShardingPlan, plan_for, shard_params
 from kvjax.distributed.state import head_axis, init_sharded_state, per_shard, sharded_overflow_error, state_spec
-from kvjax.generation import (
-    StepBackend,
-    _append_and_attend,
-    _decode_victim,
-    _forward_chunk,
-    _over_decode_budget,
-    _bucketed,
-    _generate_rows,
-    _keep_last,
-    _layer_view,
-    _policy_or_full,
-    _prefill_rows,
-    as_token_lists,
-)
+from kvjax.generation import as_token_lists, bucketed, generate_rows, policy_or_full, prefill_rows
 from kvjax.loading import Model
 from kvjax.policies import LayerView, Policy
 from kvjax.state import KVState, allocate_for_append
-
-# Traces (compiles) of the sharded steps, by name and input shape, as kvjax.generation.TRACE_COUNTS.
-TRACE_COUNTS: collections.Counter = collections.Counter()
+from kvjax.step import (
+    StepBackend,
+    append_and_attend,
+    compress_segments,
+    decode_victim,
+    forward_chunk,
+    layer_view,
+    over_decode_budget,
+    scan_layers,
+)
 
 # KVState fields allocate_for_append changes besides `overflow` (restored when another shard failed)
 _ALLOCATION_FIELDS = ("page_table", "num_free", "refcount", "kmin", "kmax", "slot_pos", "slot_score")
@@ -60,8 +53,8 @@ def _view_specs(heads, with_probs: bool) -> dict:
     return specs
 
 
-def _view_parts(state: KVState, layer: int, num_layers: int, next_position, **extra) -> dict:
-    view = _layer_view(state, layer, num_layers, next_position, **extra)
+def _view_parts(state: KVState, layer, num_layers: int, next_position, **extra) -> dict:
+    view = layer_view(state, layer, num_layers, next_position, **extra)
     return {name: getattr(view, name) for name in _VIEW_FIELDS + tuple(extra)}
 
 
@@ -77,13 +70,12 @@ def _sharded_append_step(
     params, state: KVState, window, tokens, num_new, last_logits, policy_params=None, *, cfg: ModelConfig, dtype,
     policy: Policy, mesh: Mesh, plan: ShardingPlan,
 ):
-    """`kvjax.generation._append_step` on a stacked state (see kvjax.distributed.state): same arguments
-    and results, `tokens int32[B, C]` with B a multiple of the data axis."""
+    """`kvjax.step.append_step` on a stacked state (see kvjax.distributed.state): same arguments and
+    results, `tokens int32[B, C]` with B a multiple of the data axis."""
     B, C = tokens.shape
     decoding = C == 1
-    TRACE_COUNTS[("append_step", B, C)] += 1
     S, H = state_spec(plan), head_axis(plan)
-    rows, heads4 = P(DATA), P(DATA, None, H, None)
+    rows, heads4, scalar = P(DATA), P(DATA, None, H, None), P()
     positions = state.next_position[:, 0].reshape(B)[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
 
     def allocate(st, n):
@@ -96,42 +88,46 @@ def _sharded_append_step(
 
     state, num_new = per_shard(allocate, mesh, (S, rows), (S, rows))(state, num_new)
     seen = state.next_position[:, 0].reshape(B) + num_new
-    window_q = []
 
-    def attend(layer, inputs, state):
-        compressed = policy.compresses_layer(layer)
+    def attend_for(start: int, stop: int):
+        compressed, selects = policy.compresses_layer(start), policy.selects_pages(start)
         need_probs = compressed and (policy.accumulates_attention or (decoding and policy.evicts_while_decoding))
         evicting = need_probs and decoding and policy.evicts_while_decoding
-        # a per-token score (Locret's heads read every head's features): computed globally, stored per shard
-        score = policy.append_scores(layer, inputs, policy_params) if compressed else None
 
-        def local(st, q, k, v, pos, n, next_position, *score):
-            st, out, probs = _append_and_attend(
-                st, layer, q, k, v, pos, n, policy=policy, decoding=decoding, need_probs=need_probs,
-                score=score[0] if score else None,
-            )
-            parts = _view_parts(st, layer, cfg.num_layers, next_position, probs=probs[:, :, :, 0]) if evicting else {}
-            return st, out, parts
+        def attend(layer, inputs, state):
+            # a per-token score (Locret's heads read every head's features): computed globally, stored per shard
+            score = policy.append_scores(layer, inputs, policy_params) if compressed else None
 
-        args = (state, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, seen) + (() if score is None else (score,))
-        in_specs = (S, heads4, heads4, heads4, P(DATA, None), rows, rows) + (() if score is None else (P(DATA, None, H),))
-        out_specs = (S, heads4, _view_specs(H, True) if evicting else {})
-        state, out, parts = per_shard(local, mesh, in_specs, out_specs)(*args)
-        if evicting:
-            view = LayerView(layer=layer, num_layers=cfg.num_layers, next_position=seen, **parts)
+            # the traced layer index enters each shard as an argument (replicated), not by closure
+            def local(st, layer, q, k, v, pos, n, next_position, *score):
+                st, out, probs = append_and_attend(
+                    st, layer, q, k, v, pos, n, policy=policy, decoding=decoding, need_probs=need_probs,
+                    selects=selects, score=score[0] if score else None,
+                )
+                parts = _view_parts(st, layer, cfg.num_layers, next_position, probs=probs[:, :, :, 0]) if evicting else {}
+                return st, out, parts
 
-            def evict(st, victim, keys):
-                return evict_one_slot(st, layer, victim, _over_decode_budget(st, layer, policy), keys)
+            args = (state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, seen)
+            in_specs = (S, scalar, heads4, heads4, heads4, P(DATA, None), rows, rows)
+            if score is not None:
+                args, in_specs = args + (score,), in_specs + (P(DATA, None, H),)
+            out_specs = (S, heads4, _view_specs(H, True) if evicting else {})
+            state, out, parts = per_shard(local, mesh, in_specs, out_specs)(*args)
+            if evicting:
+                view = LayerView(layer=layer, num_layers=cfg.num_layers, next_position=seen, **parts)
 
-            state = per_shard(evict, mesh, (S, P(DATA, H), P(DATA, H, None, None)), S)(
-                state, _decode_victim(policy, view), view.k
-            )
-        if window is not None:
-            window_q.append(_keep_last(window["q"][layer], inputs.q, num_new))
-        return out, state
+                def evict(st, layer, victim, keys):
+                    return evict_one_slot(st, layer, victim, over_decode_budget(st, layer, policy), keys)
 
-    state, window, logits = _forward_chunk(
-        params, cfg, dtype, tokens, positions, num_new, last_logits, attend, state, window, window_q
+                state = per_shard(evict, mesh, (S, scalar, P(DATA, H), P(DATA, H, None, None)), S)(
+                    state, layer, decode_victim(policy, view), view.k
+                )
+            return out, state
+
+        return attend
+
+    state, window, logits = forward_chunk(
+        params, cfg, dtype, policy, tokens, positions, num_new, last_logits, state, window, attend_for
     )
     state = jax.lax.with_sharding_constraint(_with_next_position(state, seen), NamedSharding(mesh, S))
     return state, window, logits
@@ -145,27 +141,31 @@ def _sharded_compress_step(
     state: KVState, window, final=None, *, num_layers: int, policy: Policy, keep_bound: int, read_pages: tuple,
     mesh: Mesh, plan: ShardingPlan,
 ):
-    """`kvjax.generation._compress_step` on a stacked state: the policy sees the global view of each
-    layer; compaction runs per shard. `final bool[B]` as there (per-chunk compression)."""
-    TRACE_COUNTS[("compress_step", keep_bound)] += 1
+    """`kvjax.step.compress_step` on a stacked state: the policy sees the global view of each layer;
+    compaction runs per shard. `final bool[B]` as there (per-chunk compression)."""
     S, H = state_spec(plan), head_axis(plan)
     B = state.next_position.shape[0] * state.next_position.shape[2]
     next_position = state.next_position[:, 0].reshape(B)
-    for layer in range(num_layers):
-        if not policy.compresses_layer(layer):
-            continue
-        parts = per_shard(
-            lambda st, nxt: _view_parts(st, layer, num_layers, nxt), mesh, (S, P(DATA)), _view_specs(H, False)
-        )(state, next_position)
-        extra = {} if window is None else {"window_q": window["q"][layer], "window_pos": window["pos"]}
-        view = LayerView(
-            layer=layer, num_layers=num_layers, next_position=next_position, final_chunk=final, **parts, **extra
-        )
-        keep_slots, keep_count = policy.compress_layer(view, keep_bound)
-        state = per_shard(
-            lambda st, slots, count: compact_layer(st, layer, slots, count), mesh,
-            (S, P(DATA, H, None), P(DATA, H)), S,
-        )(state, keep_slots, keep_count)
+    for start, stop in compress_segments(policy, state, num_layers):
+
+        def body(state, layer, start=start, stop=stop):
+            local = state.for_layers(start, stop)
+            parts = per_shard(
+                lambda st, layer, nxt: _view_parts(st, layer, num_layers, nxt), mesh, (S, P(), P(DATA)),
+                _view_specs(H, False),
+            )(local, layer, next_position)
+            extra = {} if window is None else {"window_q": window["q"][layer], "window_pos": window["pos"]}
+            view = LayerView(
+                layer=layer, num_layers=num_layers, next_position=next_position, final_chunk=final, **parts, **extra
+            )
+            keep_slots, keep_count = policy.compress_layer(view, keep_bound)
+            local = per_shard(
+                lambda st, layer, slots, count: compact_layer(st, layer, slots, count), mesh,
+                (S, P(), P(DATA, H, None), P(DATA, H)), S,
+            )(local, layer, keep_slots, keep_count)
+            return local.replace(read_pages=state.read_pages)
+
+        state = scan_layers(body, state, start, stop)
     return state.replace(read_pages=read_pages)
 
 
@@ -203,15 +203,15 @@ def prefill_sharded(
 ) -> tuple[KVState, jax.Array, ShardingPlan]:
     """`kvjax.prefill` on `mesh`. Returns `(stacked state, logits f32[B', V], plan)`; B' is the batch
     padded to a multiple of the data axis (the extra rows copy the first prompt)."""
-    policy = _policy_or_full(policy)
+    policy = policy_or_full(policy)
     model, plan = _placed(model, mesh, on_indivisible)
     rows = _padded_rows(as_token_lists(prompt_ids, model.cfg.vocab_size), plan.data)
     longest = max(len(r) for r in rows)
     if capacity is None:
-        declared, reserve, capacity = longest + max_new_tokens, max_new_tokens, _bucketed(longest + max_new_tokens)
+        declared, reserve, capacity = longest + max_new_tokens, max_new_tokens, bucketed(longest + max_new_tokens)
     else:
         declared, reserve = capacity, 0
-    state, logits = _prefill_rows(
+    state, logits = prefill_rows(
         model, rows, policy, page_size, capacity, chunk_size, declared, reserve, _backend(mesh, plan)
     )
     return state, logits, plan
@@ -241,7 +241,7 @@ def generate_sharded(
     `on_indivisible`); each device keeps the KV pages of its own sequences and heads."""
     model, plan = _placed(model, mesh, on_indivisible)
     given = as_token_lists(prompt_ids, model.cfg.vocab_size)
-    result = _generate_rows(
+    result = generate_rows(
         model, _padded_rows(given, plan.data), max_new_tokens, policy, decode_last=decode_last,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, page_size=page_size, capacity=capacity,
         chunk_size=chunk_size, eos_token_id=eos_token_id, return_logprobs=return_logprobs,

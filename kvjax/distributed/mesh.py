@@ -3,7 +3,8 @@
 Megatron-style tensor parallelism over "model": query/key/value projections and the MLP's gate/up are
 split by output columns (whole heads, whole MLP units), `o_proj` and `down_proj` by input rows, so each
 device holds the weights of its own heads; XLA's SPMD partitioner adds the two all-reduces per layer.
-Embeddings, norms and the LM head are replicated. Batch rows go over "data".
+Embeddings, norms and the LM head are replicated. Batch rows go over "data". The decoder layers'
+parameters are stacked `[L, ...]`; their leading layer axis is never split (a leading None).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
+from kvjax.models.convert import is_stacked
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
@@ -104,9 +106,8 @@ def param_specs(params: Any, plan: ShardingPlan) -> Any:
     def spec(path, leaf):
         names = [getattr(k, "key", str(k)) for k in path]
         rule = rules.get(names[-2]) if len(names) >= 2 else None
-        if rule is None:
-            return P()
-        return rule[0] if names[-1] == "kernel" else rule[1]
+        split = P() if rule is None else rule[0] if names[-1] == "kernel" else rule[1]
+        return P(None, *split) if is_stacked(tuple(names)) else split
 
     return jax.tree_util.tree_map_with_path(spec, params)
 

@@ -70,6 +70,18 @@ class RetainingHeads:
     def layer(self, index: int) -> dict:
         return self.params[f"layer_{index}"]
 
+    @functools.cached_property
+    def stacked(self) -> dict:
+        """Every layer's head stacked once: `{"w1": [L, F, hidden], "w2": [L, hidden, H]}`, what the steps'
+        scan over layers indexes with a traced layer (`stacked_layer`)."""
+        layers = [self.params[f"layer_{l}"] for l in range(len(self.params))]  # config may be None (a bare dict)
+        return jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
+
+
+def stacked_layer(stacked: dict, layer) -> dict:
+    """Layer `layer`'s head (`{"w1", "w2"}`) from `RetainingHeads.stacked`; `layer` may be traced."""
+    return jax.tree.map(lambda w: w[layer], stacked)
+
 
 def init_heads(config: HeadsConfig, seed: int = 0, dtype=jnp.float32) -> RetainingHeads:
     """Fresh heads: LeCun-normal weights (PyTorch's Linear has the same variance scale up to a constant)."""

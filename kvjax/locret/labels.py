@@ -44,21 +44,24 @@ class Targets(NamedTuple):
     valid: jax.Array  # bool[B, Tp]: a real prefix token
 
 
-def _chunk(params, state, tokens, num_new, *, cfg: ModelConfig, dtype, rope, on_layer):
+def _chunk(params, state, tokens, num_new, out, *, cfg: ModelConfig, dtype, rope, on_layer):
     """Append `tokens int32[B, C]` (the first num_new[b] real) to every layer and attend, as kvjax's
-    prefill step does; `on_layer(layer, inputs, state)` sees each layer after its append."""
+    prefill step does; `out = on_layer(layer, inputs, state, out)` sees each layer after its append and
+    writes what it records into `out` (arrays with a leading `[L]` axis: the layers run in a scan, so the
+    carry is how a layer hands anything out). Returns `(state, out)`."""
     C = tokens.shape[1]
     positions = state.next_position[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     state, ok = allocate_for_append(state, num_new, C)
     num_new = jnp.where(ok, num_new, 0)
 
-    def attend(layer, inputs, state):
+    def attend(layer, inputs, carry):
+        state, out = carry
         state = append_to_layer(state, layer, inputs.k, inputs.v, inputs.positions, num_new)
-        on_layer(layer, inputs, state)
-        return blocked_paged_attention(inputs.q, inputs.positions, state, layer), state
+        out = on_layer(layer, inputs, state, out)
+        return blocked_paged_attention(inputs.q, inputs.positions, state, layer), (state, out)
 
-    _, state = CausalLM(cfg, dtype).apply({"params": params}, tokens, positions, rope, attend, state)
-    return state.replace(next_position=state.next_position + num_new)
+    _, (state, out) = CausalLM(cfg, dtype).apply({"params": params}, tokens, positions, rope, attend, (state, out))
+    return state.replace(next_position=state.next_position + num_new), out
 
 
 def answer_logit_max(q: jax.Array, answer_real: jax.Array, k: jax.Array, key_real: jax.Array) -> jax.Array:
@@ -86,26 +89,33 @@ def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chun
     long_rope = uses_long_factors(cfg, Tp + A)
     rope = rope_frequencies(cfg, long_rope)
     state = init_state(cfg, B, Tp + A, page_size, dtype=dtype, long_rope=long_rope)
-    L = cfg.num_layers
-    feats = [[] for _ in range(L)]
-    labels = [None] * L
+    L, Hq, H, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
-    def record(layer, inputs, state):
-        feats[layer].append((inputs.q_pre, inputs.k_pre, inputs.v))
+    def record(layer, inputs, state, feats):
+        return tuple(f.at[layer].set(x.astype(f.dtype)) for f, x in zip(feats, (inputs.q_pre, inputs.k_pre, inputs.v)))
 
+    chunks = []
     for i in range(Tp // C):
         num_new = jnp.clip(batch.prefix_len - i * C, 0, C).astype(jnp.int32)
-        state = _chunk(model_params, state, batch.prefix[:, i * C : (i + 1) * C], num_new, cfg=cfg, dtype=dtype, rope=rope, on_layer=record)
+        feats = (jnp.zeros((L, B, C, Hq, D), dtype), jnp.zeros((L, B, C, H, D), dtype), jnp.zeros((L, B, C, H, D), dtype))
+        state, feats = _chunk(
+            model_params, state, batch.prefix[:, i * C : (i + 1) * C], num_new, feats, cfg=cfg, dtype=dtype, rope=rope,
+            on_layer=record,
+        )
+        chunks.append(feats)
 
     answer_real = jnp.arange(A)[None, :] < batch.answer_len[:, None]
 
-    def label(layer, inputs, state):
+    def label(layer, inputs, state, labels):
         k, _, pos, valid = gather_layer(state, layer)
         prefix_key = valid & (pos < batch.prefix_len[:, None, None])
         best = answer_logit_max(inputs.q, answer_real, k, prefix_key)  # [B, H, S], slot order = position
-        labels[layer] = jnp.moveaxis(best[:, :, :Tp], 1, 2)  # [B, Tp, H]
+        return labels.at[layer].set(jnp.moveaxis(best[:, :, :Tp], 1, 2))  # [B, Tp, H]
 
-    _chunk(model_params, state, batch.answer, batch.answer_len.astype(jnp.int32), cfg=cfg, dtype=dtype, rope=rope, on_layer=label)
-    stack = lambda i: jnp.stack([jnp.concatenate([f[i] for f in feats[l]], axis=1) for l in range(L)])
+    _, labels = _chunk(
+        model_params, state, batch.answer, batch.answer_len.astype(jnp.int32), jnp.zeros((L, B, Tp, H), jnp.float32),
+        cfg=cfg, dtype=dtype, rope=rope, on_layer=label,
+    )
+    stack = lambda i: jnp.concatenate([feats[i] for feats in chunks], axis=2)  # [L, B, Tp, ...]
     valid = jnp.arange(Tp)[None, :] < batch.prefix_len[:, None]
-    return Targets(stack(0), stack(1), stack(2), jnp.stack(labels), valid)
+    return Targets(stack(0), stack(1), stack(2), labels, valid)

@@ -1,5 +1,17 @@
-"""Functional Flax decoder models (Llama, Mistral, Qwen2, Phi-3) with an explicit KV state."""
+"""Functional Flax decoder models (Llama, Mistral, Qwen2, Phi-3) with an explicit KV state.
 
-from kvjax.models.transformer import AttentionInputs, CausalLM
+Layer parameters are stacked (`params["layers"]`, leaves `[L, ...]`); `layer_params` and `first_layers`
+take one layer or a prefix of the stack without hand-rolled slicing.
+"""
 
-__all__ = ["AttentionInputs", "CausalLM"]
+from kvjax.models.transformer import (
+    AttentionInputs,
+    CausalLM,
+    Segment,
+    first_layers,
+    layer_params,
+    segments_by,
+    unrolled,
+)
+
+__all__ = ["AttentionInputs", "CausalLM", "Segment", "first_layers", "layer_params", "segments_by", "unrolled"]

@@ -1,13 +1,14 @@
 """Hugging Face checkpoint <-> kvjax parameters: a declarative name map plus per-tensor transforms.
 
-`hf_name(path)` maps a Flax parameter path such as `("layers_3", "self_attn", "q_proj", "kernel")` to the
-HF tensor name `model.layers.3.self_attn.q_proj.weight`; Dense kernels are transposed. Every expected
-tensor must be present with the expected shape; unexpected tensors are reported by name.
+`hf_name(path)` maps a Flax parameter path such as `("layers", "self_attn", "q_proj", "kernel")` and a layer
+index 3 to the HF tensor name `model.layers.3.self_attn.q_proj.weight`; Dense kernels are transposed. The
+decoder layers' leaves are stacked `[L, ...]` (see `kvjax.models.transformer`): HF's `model.layers.N.x`
+is row N of the stacked `layers/x`. Stacking happens here, once, on the host. Every expected tensor must be
+present with the expected shape; unexpected tensors are reported by name.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping
 
 import jax
@@ -23,17 +24,23 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model its config describes."""
 
 
-def hf_name(path: tuple[str, ...]) -> tuple[str, bool]:
-    """Map a Flax parameter path to (HF tensor name, whether to transpose)."""
+def is_stacked(path: tuple[str, ...]) -> bool:
+    """Whether a parameter path lies under the stacked decoder layers (leaves `[L, ...]`)."""
+    return path[0] == "layers"
+
+
+def hf_name(path: tuple[str, ...], layer: int | None = None) -> tuple[str, bool]:
+    """Map a Flax parameter path (and, under `layers`, a layer index) to (HF tensor name, whether to
+    transpose one layer's array)."""
     *modules, leaf = path
-    hf_modules = []
-    for m in modules:
-        match = re.fullmatch(r"layers_(\d+)", m)
-        hf_modules += ["layers", match.group(1)] if match else [m]
+    if is_stacked(path):
+        if layer is None:
+            raise ValueError(f"{'/'.join(path)} is a stacked layer parameter: give the layer index")
+        modules = ["layers", str(layer), *modules[1:]]
     transpose = leaf == "kernel"
     hf_leaf = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}[leaf]
     prefix = [] if modules[0] == "lm_head" else ["model"]
-    return ".".join(prefix + hf_modules + [hf_leaf]), transpose
+    return ".".join(prefix + modules + [hf_leaf]), transpose
 
 
 def params_from_hf(
@@ -43,22 +50,31 @@ def params_from_hf(
     flat = jax.tree_util.tree_flatten_with_path(expected_shapes)[0]
     used, missing, mismatched = set(), [], []
     leaves = []
-    for key_path, spec in flat:
-        path = tuple(k.key for k in key_path)
-        name, transpose = hf_name(path)
+
+    def take(path, layer, shape):
+        """One HF tensor as the Flax array of `shape` (one layer's, for a stacked leaf), or None."""
+        name, transpose = hf_name(path, layer)
         if name not in tensors:
             missing.append(name)
-            leaves.append(None)
-            continue
+            return None
         used.add(name)
         array = np.asarray(tensors[name])
         if transpose:
             array = array.T
-        if tuple(array.shape) != tuple(spec.shape):
+        if tuple(array.shape) != tuple(shape):
             hf_shape = tuple(reversed(array.shape)) if transpose else tuple(array.shape)
-            expected_hf = tuple(reversed(spec.shape)) if transpose else tuple(spec.shape)
+            expected_hf = tuple(reversed(shape)) if transpose else tuple(shape)
             mismatched.append(f"{name}: checkpoint has {hf_shape}, config implies {expected_hf}")
-        leaves.append(array)
+            return None
+        return array
+
+    for key_path, spec in flat:
+        path = tuple(k.key for k in key_path)
+        if not is_stacked(path):
+            leaves.append(take(path, None, spec.shape))
+            continue
+        rows = [take(path, layer, spec.shape[1:]) for layer in range(spec.shape[0])]
+        leaves.append(None if any(r is None for r in rows) else np.stack(rows))
     unexpected = [
         n
         for n in tensors
@@ -83,7 +99,9 @@ def params_to_hf(params: Any) -> dict[str, np.ndarray]:
     """Inverse of `params_from_hf`: HF tensor names to numpy arrays (for export and round-trip tests)."""
     out = {}
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name, transpose = hf_name(tuple(k.key for k in key_path))
+        path = tuple(k.key for k in key_path)
         array = np.asarray(leaf)
-        out[name] = np.ascontiguousarray(array.T if transpose else array)
+        for layer, part in enumerate(array) if is_stacked(path) else [(None, array)]:
+            name, transpose = hf_name(path, layer)
+            out[name] = np.ascontiguousarray(part.T if transpose else part)
     return out

@@ -5,13 +5,18 @@ attention output is ready" (dense causal attention, or writing to the paged KV s
 with a policy) is an `attend` function passed in, so one forward serves the dense path, chunked prefill,
 decode and label generation. The KV state threads through as an ordinary argument and return value.
 
-Parameter names mirror Hugging Face's (`layers_3/self_attn/q_proj/kernel`), so checkpoint conversion is a
-name map; Dense kernels are the transposes of HF's `weight`.
+The decoder layers' parameters are stacked: one `layers` subtree whose leaves have a leading `[L, ...]` axis
+(`layers/self_attn/q_proj/kernel` is `[L, E, Hq * D]`), and the forward runs `jax.lax.scan` over them, so a
+jitted step compiles one layer body whatever the depth. Per-layer differences a caller needs at trace time
+(a policy's dense layers, a read bound) are expressed as *segments*: runs of consecutive layers, each
+scanned with its own `attend` (`Segment`, `segments_by`). Inside a segment `attend` gets the layer index as
+a traced int32 scalar. Names below `layers` mirror Hugging Face's, so checkpoint conversion is a name map
+(`kvjax/models/convert.py`); Dense kernels are the transposes of HF's `weight`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
@@ -36,8 +41,49 @@ class AttentionInputs(NamedTuple):
     positions: jax.Array  # int32[B, T]
 
 
-# attend(layer_index, inputs, carry) -> (attention output [B, T, Hq, D], carry)
-AttendFn = Callable[[int, AttentionInputs, Any], tuple[jax.Array, Any]]
+# attend(layer, inputs, carry) -> (attention output [B, T, Hq, D], carry). `layer` is an int32 scalar,
+# traced inside a scanned segment (a Python int in a one-layer segment): index arrays with it
+# (`page_table[layer]`), do not branch on it. The carry keeps its structure and dtypes from layer to layer.
+AttendFn = Callable[[Any, AttentionInputs, Any], tuple[jax.Array, Any]]
+
+
+class Segment(NamedTuple):
+    """Layers `start .. stop - 1`, scanned with one `attend`. A caller whose layers differ in something
+    static (a shape, a Python branch) gives each run of alike layers its own segment and closes that
+    run's static properties over its `attend`."""
+
+    start: int
+    stop: int
+    attend: AttendFn
+
+
+def segments_by(num_layers: int, key: Callable[[int], Hashable]) -> tuple[tuple[int, int], ...]:
+    """Runs `(start, stop)` of consecutive layers with equal `key(layer)`, covering 0 .. num_layers - 1."""
+    runs, start = [], 0
+    for layer in range(1, num_layers + 1):
+        if layer == num_layers or key(layer) != key(start):
+            runs.append((start, layer))
+            start = layer
+    return tuple(runs)
+
+
+def unrolled(attend: AttendFn, num_layers: int) -> tuple[Segment, ...]:
+    """One segment per layer: the forward runs them unscanned and `attend` gets each layer as a Python int
+    (compile time grows with depth again). For inspection: an `attend` that branches on the layer in
+    Python, records into Python containers, or returns a carry whose structure changes."""
+    return tuple(Segment(layer, layer + 1, attend) for layer in range(num_layers))
+
+
+def layer_params(params: Any, layer) -> Any:
+    """Layer `layer`'s parameters (what `DecoderLayer` applies) from a model's parameter tree; `layer` may
+    be traced (a dynamic slice of each stacked leaf)."""
+    return jax.tree.map(lambda w: w[layer], params["layers"])
+
+
+def first_layers(params: Any, num_layers: int) -> Any:
+    """The parameter tree of the model's first `num_layers` layers (embeddings, final norm and head kept).
+    Slices the stacked leaves: call it outside `jit`, once."""
+    return {**params, "layers": jax.tree.map(lambda w: w[:num_layers], params["layers"])}
 
 _ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -69,11 +115,10 @@ def _dense(features: int, use_bias: bool, name: str, dtype) -> nn.Dense:
 
 class Attention(nn.Module):
     cfg: ModelConfig
-    layer_index: int
     dtype: Any
 
     @nn.compact
-    def __call__(self, x, positions, rope: tuple[np.ndarray, float], attend: AttendFn, carry):
+    def __call__(self, x, layer, positions, rope: tuple[np.ndarray, float], attend: AttendFn, carry):
         cfg = self.cfg
         B, T, _ = x.shape
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -90,7 +135,7 @@ class Attention(nn.Module):
         inv_freq, attention_factor = rope
         q = apply_rope(q_pre, positions, inv_freq, attention_factor)
         k = apply_rope(k_pre, positions, inv_freq, attention_factor)
-        out, carry = attend(self.layer_index, AttentionInputs(q, k, v, q_pre, k_pre, positions), carry)
+        out, carry = attend(layer, AttentionInputs(q, k, v, q_pre, k_pre, positions), carry)
         out = out.reshape(B, T, q_size).astype(self.dtype)
         return _dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj", self.dtype)(out), carry
 
@@ -115,14 +160,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer, `(x [B, T, E], layer, positions, rope, attend, carry) -> (x, carry)`; `layer` is
+    only handed to `attend`. Applied with one layer's parameters (`layer_params`)."""
+
     cfg: ModelConfig
-    layer_index: int
     dtype: Any
 
     @nn.compact
-    def __call__(self, x, positions, rope, attend: AttendFn, carry):
+    def __call__(self, x, layer, positions, rope, attend: AttendFn, carry):
         h = RMSNorm(self.cfg.rms_norm_eps, self.dtype, name="input_layernorm")(x)
-        h, carry = Attention(self.cfg, self.layer_index, self.dtype, name="self_attn")(h, positions, rope, attend, carry)
+        h, carry = Attention(self.cfg, self.dtype, name="self_attn")(h, layer, positions, rope, attend, carry)
         x = x + h
         h = RMSNorm(self.cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x)
         return x + MLP(self.cfg, self.dtype, name="mlp")(h), carry
@@ -131,6 +178,7 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only LM. `__call__(tokens [B, T], positions [B, T], rope, attend, carry)`.
 
+    `attend` is one `AttendFn` for every layer, or a sequence of `Segment`s covering the layers in order.
     Returns the final normed hidden states `[B, T, H]` and the carry; `logits(h)` maps hidden states to
     vocabulary logits (kept apart so prefill computes logits only where they are needed).
     """
@@ -140,20 +188,34 @@ class CausalLM(nn.Module):
 
     def setup(self):
         cfg = self.cfg
-        # Attribute names become parameter names: embed_tokens, layers_0 ... layers_{L-1}, norm, lm_head.
+        # Attribute names become parameter names: embed_tokens, layers (stacked), norm, lm_head.
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
-        self.layers = [DecoderLayer(cfg, i, self.dtype) for i in range(cfg.num_layers)]
+        self.layers = self.param("layers", self._init_layers)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
 
-    def __call__(self, tokens, positions, rope, attend: AttendFn, carry):
+    def _init_layers(self, rng):
+        """`DecoderLayer`'s parameters for every layer, stacked `[L, ...]` (initialised once, not per call)."""
+        cfg = self.cfg
+        x = jnp.zeros((1, 1, cfg.hidden_size), self.dtype)
+        positions = jnp.zeros((1, 1), jnp.int32)
+        rope = (np.ones(cfg.rotary_dim // 2, np.float32), 1.0)
+
+        def attend(layer, inputs, carry):  # shapes only: the output a real attention would have
+            return jnp.repeat(inputs.v, cfg.group_size, axis=2), carry
+
+        def one(key):
+            return DecoderLayer(cfg, self.dtype, parent=None).init(key, x, 0, positions, rope, attend, None)["params"]
+
+        return jax.vmap(one)(jax.random.split(rng, cfg.num_layers))
+
+    def __call__(self, tokens, positions, rope, attend: AttendFn | Sequence[Segment], carry):
         x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x, carry = layer(x, positions, rope, attend, carry)
+        x, carry = apply_layers(self.layers, self.cfg, self.dtype, x, positions, rope, attend, carry)
         return self.norm(x), carry
 
-    def hidden_and_logits(self, tokens, positions, rope, attend: AttendFn, carry):
+    def hidden_and_logits(self, tokens, positions, rope, attend, carry):
         """Hidden states, f32 logits `[B, T, V]` and the carry (also what `init` traces)."""
         hidden, carry = self(tokens, positions, rope, attend, carry)
         return self.logits(hidden), carry
@@ -165,3 +227,29 @@ class CausalLM(nn.Module):
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)
+
+
+def apply_layers(layers, cfg: ModelConfig, dtype, x, positions, rope, attend: AttendFn | Sequence[Segment], carry):
+    """The decoder layers over hidden states `x [B, T, E]`: `jax.lax.scan` over each segment's layers, with
+    `layers` the stacked parameters (`params["layers"]`, leaves `[L, ...]`). Returns `(x, carry)`.
+
+    The scan runs over layer indices and slices each layer's weights inside the body (a dynamic slice per
+    layer, as scanning over the weights themselves would do), so no segment copies the stack. A segment of
+    one layer runs without a scan and hands `attend` the layer as a Python int (see `unrolled`)."""
+    segments = (Segment(0, cfg.num_layers, attend),) if callable(attend) else tuple(attend)
+    covered = [layer for seg in segments for layer in range(seg.start, seg.stop)]
+    if covered != list(range(cfg.num_layers)):
+        raise ValueError(f"segments must cover layers 0..{cfg.num_layers - 1} in order, got {[s[:2] for s in segments]}")
+    module = DecoderLayer(cfg, dtype, parent=None)  # unbound: applied with each layer's parameters
+    for seg in segments:
+
+        def body(xc, layer, seg=seg):
+            h, c = xc
+            p = jax.tree.map(lambda w: w[layer], layers)
+            return module.apply({"params": p}, h, layer, positions, rope, seg.attend, c), None
+
+        if seg.stop - seg.start == 1:
+            (x, carry), _ = body((x, carry), seg.start)
+        else:
+            (x, carry), _ = jax.lax.scan(body, (x, carry), jnp.arange(seg.start, seg.stop, dtype=jnp.int32))
+    return x, carry

@@ -10,10 +10,12 @@ from kvjax.policies.tova import TOVA
 from kvjax.policies.streaming import StreamingLLM
 from kvjax.policies.quest import Quest
 from kvjax.policies.quest_static import QuestStatic
+from kvjax.policies.quest_adaptive import QuestAdaptive
 from kvjax.policies.compose import Compose
 from kvjax.policies.locret import Locret
+from kvjax.policies.ada import AdaKV
 
 __all__ = [
-    "POLICY_REGISTRY", "AdaPyramid", "AdaSnapKV", "Compose", "Quest", "QuestStatic", "FullPolicy", "H2O", "LayerView", "Locret", "Policy", "PyramidKV",
+    "POLICY_REGISTRY", "AdaKV", "AdaPyramid", "AdaSnapKV", "Compose", "Quest", "QuestAdaptive", "QuestStatic", "FullPolicy", "H2O", "LayerView", "Locret", "Policy", "PyramidKV",
     "ScoredEviction", "SnapKV", "StreamingLLM", "TOVA", "make_policy", "register_policy",
 ]

@@ -18,32 +18,44 @@ from kvjax.policies.base import LayerView, register_policy
 from kvjax.policies.snapkv import SnapKV
 
 
-def head_counts(scores: jax.Array, total: int) -> jax.Array:
-    """int32[B, H]: how many of the layer's top `total` finite scores `[B, H, S]` fall in each head."""
+def head_counts(scores: jax.Array, total, most: int | None = None) -> jax.Array:
+    """int32[B, H]: how many of the layer's top `total` finite scores `[B, H, S]` fall in each head. `total`
+    may be traced (a per-layer budget inside the steps' scan) when the static `most` bounds it."""
     B, H, S = scores.shape
-    total = min(total, H * S)
-    top_values, top_index = jax.lax.top_k(scores.reshape(B, H * S), total)
-    heads = jnp.where(jnp.isfinite(top_values), top_index // S, H)
+    k = min(total if most is None else most, H * S)
+    top_values, top_index = jax.lax.top_k(scores.reshape(B, H * S), k)  # sorted: the first `total` are the top
+    real = jnp.isfinite(top_values) & (jnp.arange(k) < total)
+    heads = jnp.where(real, top_index // S, H)
     return jax.vmap(lambda h: jnp.bincount(h, length=H + 1)[:H])(heads).astype(jnp.int32)
 
 
-def adaptive_budgets(policy, view: LayerView, scores: jax.Array, per_head: int) -> jax.Array:
-    """Per-head budgets (window included) for a layer whose uniform per-head budget is `per_head`."""
+def adaptive_budgets(policy, view: LayerView, scores: jax.Array, per_head: int | tuple[int, ...]) -> jax.Array:
+    """Per-head budgets (window included) for a layer whose uniform per-head budget is `per_head`: an int,
+    or a tuple of every layer's (PyramidKV), taken at `view.layer` (traced) as data."""
+
+    def per_layer(f, dtype=jnp.int32):
+        """f(budget) for the view's layer: computed in Python per layer, then indexed (exact as before)."""
+        if isinstance(per_head, tuple):
+            return jnp.asarray([f(b) for b in per_head], dtype)[view.layer]
+        return f(per_head)
+
     H = scores.shape[1]
     window = policy.window
+    most = max(per_head) if isinstance(per_head, tuple) else per_head
     if policy.form == "paper":
         prefix = jnp.where(jnp.isposinf(scores), -jnp.inf, scores)
-        base = per_head - window
-        count = head_counts(prefix, H * base)
-        return jnp.round(count * (1 - policy.alpha) + policy.alpha * base).astype(jnp.int32) + window
+        base = per_layer(lambda b: b - window)
+        count = head_counts(prefix, H * base, H * (most - window))
+        share = per_layer(lambda b: policy.alpha * (b - window), jnp.float32)
+        return jnp.round(count * (1 - policy.alpha) + share).astype(jnp.int32) + window
     # kvpress: protect each head's top alpha * per_head, then the layer's top H * per_head overall
-    safe = int(per_head * policy.alpha)
     if policy.alpha > 0:
-        safe = max(1, safe)  # kvpress keeps at least one safeguarded slot per head
-        kth = jax.lax.top_k(scores, safe)[0][..., -1:]
+        safe = per_layer(lambda b: max(1, int(b * policy.alpha)))  # kvpress keeps at least one safeguarded slot
+        top = jax.lax.top_k(scores, max(1, int(most * policy.alpha)))[0]
+        kth = jnp.take(top, safe - 1, axis=-1)[..., None]
         scores = jnp.where(scores >= kth, jnp.finfo(jnp.float32).max, scores)
     scores = jnp.where(jnp.isposinf(scores), jnp.finfo(jnp.float32).max, scores)
-    return head_counts(scores, H * per_head)
+    return head_counts(scores, H * per_layer(lambda b: b), H * most)
 
 
 @dataclasses.dataclass(frozen=True)

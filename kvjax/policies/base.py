@@ -12,6 +12,11 @@ A policy is a frozen, hashable dataclass (static under `jit`). The generation st
   decode budget drops its lowest-scoring slot.
 
 What a policy may read is a `LayerView`. The base class keeps everything, so it is the full cache.
+
+The steps scan over layers, so the hooks get the layer index as a traced int32 scalar: index arrays with
+it, compute with it (PyramidKV's budget), but do not branch on it in Python. What differs per layer at
+trace time is said by the static predicates `compresses_layer` and `selects_pages`, called with plain
+ints; the steps group alike layers into segments by them.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ class LayerView(NamedTuple):
     each sequence; at decode time `probs` holds the step's attention probabilities.
     """
 
-    layer: int
+    layer: Any  # int32 scalar, traced inside the steps' scan over layers
     num_layers: int
     k: jax.Array  # [B, H, S, D] keys after RoPE, in slot order
     slot_pos: jax.Array  # int32[B, H, S] original positions, -1 when empty
@@ -95,7 +100,13 @@ class Policy:
         return prompt_len
 
     def compresses_layer(self, layer: int) -> bool:
+        """Whether `compress_layer` (and `append_scores`, decode-time eviction) applies to `layer` (static)."""
         return layer >= self.dense_layers
+
+    def selects_pages(self, layer: int) -> bool:
+        """Whether `select_pages` runs in `layer` at decode (static). By default: in every layer, when the
+        class defines `select_pages` (a None from it still means "read every page")."""
+        return type(self).select_pages is not Policy.select_pages
 
     def prefill_tail(self, prompt_len: int) -> int:
         """Last prompt tokens appended after the per-chunk compressions, without eviction (Locret's n_loc)."""
@@ -110,13 +121,14 @@ class Policy:
         """(keep_slots int32[B, H, keep_bound], keep_count int32[B, H]) for one layer."""
         raise NotImplementedError
 
-    def append_scores(self, layer: int, inputs: Any, params: Any) -> Any:
+    def append_scores(self, layer, inputs: Any, params: Any) -> Any:
         """f32[B, C, H] scores of the chunk's tokens, stored in `slot_score` as they are appended (or None).
-        `inputs` is the layer's `AttentionInputs`, `params` what `device_params` returned."""
+        `inputs` is the layer's `AttentionInputs`, `params` what `device_params` returned; `layer` traced."""
         return None
 
-    def select_pages(self, layer: int, q: jax.Array, state: Any) -> Any:
-        """Logical pages each head reads at a decode step, `int32[B, Hq or H, K]` (-1 = none), or None for all."""
+    def select_pages(self, layer, q: jax.Array, state: Any) -> Any:
+        """Logical pages each head reads at a decode step, `int32[B, Hq or H, K]` (-1 = none), or None for all.
+        Called only in layers where `selects_pages(layer)`; `layer` traced."""
         return None
 
     def decode_scores(self, view: LayerView) -> jax.Array:

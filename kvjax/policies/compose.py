@@ -55,5 +55,8 @@ class Compose(Policy):
     def decode_scores(self, view: LayerView):
         return self.evict.decode_scores(view)
 
+    def selects_pages(self, layer: int) -> bool:
+        return self.select.selects_pages(layer)
+
     def select_pages(self, layer, q, state):
         return self.select.select_pages(layer, q, state)

@@ -97,14 +97,14 @@ class Locret(Policy):
         return min(self.local_tail, prompt_len)
 
     def device_params(self):
-        return self.heads.params
+        return self.heads.stacked  # [L, ...] leaves, stacked once per heads object
 
-    def append_scores(self, layer: int, inputs, params) -> jax.Array | None:
+    def append_scores(self, layer, inputs, params) -> jax.Array | None:
         if inputs.q.shape[1] == 1:  # decoding evicts nothing: no score needed
             return None
-        from kvjax.locret.heads import retaining_scores
+        from kvjax.locret.heads import retaining_scores, stacked_layer
 
-        return retaining_scores(params[f"layer_{layer}"], inputs.q_pre, inputs.k_pre, inputs.v)
+        return retaining_scores(stacked_layer(params, layer), inputs.q_pre, inputs.k_pre, inputs.v)
 
     def compress_layer(self, view: LayerView, keep_bound: int):
         final = jnp.ones(view.lengths.shape[:1], bool) if view.final_chunk is None else view.final_chunk

@@ -35,11 +35,16 @@ class PyramidKV(SnapKV):
         step = (most - least) // max(num_layers - 1, 1)
         return most - layer * step + self.window
 
+    def layer_budgets(self, num_layers: int) -> tuple[int, ...]:
+        """Every layer's budget (static); the steps index it with a traced layer, as data."""
+        return tuple(self.layer_budget(l, num_layers) for l in range(num_layers))
+
     def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
         return min(prompt_len, self.layer_budget(0, 2))
 
     def head_budgets(self, view: LayerView, scores: jax.Array) -> jax.Array:
-        return jnp.full(view.lengths.shape, self.layer_budget(view.layer, view.num_layers), jnp.int32)
+        budget = jnp.asarray(self.layer_budgets(view.num_layers), jnp.int32)[view.layer]
+        return jnp.full(view.lengths.shape, budget, jnp.int32)
 
 
 @register_policy("ada_pyramid")
@@ -53,4 +58,4 @@ class AdaPyramid(_AdaFields, PyramidKV):
         return min(prompt_len, num_kv_heads * self.layer_budget(0, 2))
 
     def head_budgets(self, view: LayerView, scores: jax.Array) -> jax.Array:
-        return adaptive_budgets(self, view, scores, self.layer_budget(view.layer, view.num_layers))
+        return adaptive_budgets(self, view, scores, self.layer_budgets(view.num_layers))

@@ -43,12 +43,14 @@ class Quest(Policy):
     def pages_to_select(self, page_size: int) -> int:
         return self.token_budget // page_size - 1
 
-    def select_pages(self, layer: int, q: jax.Array, state) -> jax.Array | None:
-        """q `[B, Hq, D]` -> logical pages `int32[B, Hq or H, K]` (-1 = none), or None in dense layers."""
+    def selects_pages(self, layer: int) -> bool:
+        return layer >= self.dense_layers
+
+    def select_pages(self, layer, q: jax.Array, state) -> jax.Array:
+        """q `[B, Hq, D]` -> logical pages `int32[B, Hq or H, K]` (-1 = none); the step calls it only where
+        `selects_pages` (past the dense layers)."""
         from kvjax import pallas_kernels
 
-        if layer < self.dense_layers:
-            return None
         P = state.layer_read_pages(layer)
         table = state.page_table[layer, :, :, :P]
         scores = pallas_kernels.quest_page_scores(

@@ -21,6 +21,7 @@ import numpy as np
 from kvjax.config import ModelConfig
 from kvjax.generation import prefill
 from kvjax.loading import Model
+from kvjax.models import layer_params
 from kvjax.models.transformer import Attention, RMSNorm
 from kvjax.rag.assemble import AssembledContext
 from kvjax.rag.prefill import RagPrefill, recompute, store_result
@@ -45,13 +46,13 @@ def direct_reuse(model: Model, ctx: AssembledContext, **kwargs) -> RagPrefill:
 
 def project_kv(params, cfg: ModelConfig, dtype, rope, layer: int, x, positions):
     """Layer `layer`'s K and V `[B, n, H, D]` (post-RoPE) for hidden states `x [B, n, E]` at `positions`."""
-    p = params[f"layers_{layer}"]
+    p = layer_params(params, layer)
     h = RMSNorm(cfg.rms_norm_eps, dtype).apply({"params": p["input_layernorm"]}, x)
 
     def attend(_, inputs, carry):
         return jnp.zeros_like(inputs.q), (inputs.k, inputs.v)  # the output projection is dead code
 
-    _, kv = Attention(cfg, layer, dtype).apply({"params": p["self_attn"]}, h, positions, rope, attend, None)
+    _, kv = Attention(cfg, dtype).apply({"params": p["self_attn"]}, h, layer, positions, rope, attend, None)
     return kv
 
 

@@ -22,12 +22,15 @@ def encode_kv(params, tokens: jax.Array, *, cfg: ModelConfig, dtype, long_rope: 
     """
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    # each layer writes its row of the [L, ...] buffers (the layers run in a scan: the carry is the output)
+    shape = (cfg.num_layers, B, T, cfg.num_kv_heads, cfg.head_dim)
+    kept = tuple(jnp.zeros(shape, dtype) for _ in range(3))
 
     def attend(layer, inputs, kept):
-        kept = kept + ((inputs.k_pre, inputs.k, inputs.v),)
+        kept = tuple(buf.at[layer].set(x.astype(buf.dtype)) for buf, x in zip(kept, (inputs.k_pre, inputs.k, inputs.v)))
         return dense_causal_attention(inputs.q, inputs.k, inputs.v), kept
 
     _, kept = CausalLM(cfg, dtype).apply(
-        {"params": params}, tokens, positions, rope_frequencies(cfg, long_rope), attend, ()
+        {"params": params}, tokens, positions, rope_frequencies(cfg, long_rope), attend, kept
     )
-    return tuple(jnp.stack(parts) for parts in zip(*kept))
+    return kept

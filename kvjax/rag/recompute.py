@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.loading import Model
+from kvjax.models import first_layers
 from kvjax.rag.assemble import AssembledContext
 from kvjax.rag.prefill import RagPrefill, recompute
 from kvjax.rag.selective import selective_forward_keep
@@ -70,7 +70,7 @@ def truncated_model(model: Model, num_layers: int) -> Model:
     the same tokenizer, no training needed."""
     if not 1 <= num_layers <= model.cfg.num_layers:
         raise ValueError(f"num_layers must be in 1..{model.cfg.num_layers}, got {num_layers}")
-    params = {k: v for k, v in model.params.items() if not k.startswith("layers_") or int(k.split("_")[1]) < num_layers}
+    params = first_layers(model.params, num_layers)
     cfg = dataclasses.replace(model.cfg, num_layers=num_layers)
     return dataclasses.replace(model, cfg=cfg, params=params)
 

@@ -4,8 +4,8 @@ At each layer the active tokens (a sorted slot subset; each layer's set is conta
 compute q, k, v; their k, v overwrite the reused ones of that layer, and their queries attend over every
 slot at or before their own (slot order is causal order). Tokens that are not active keep the reused K/V.
 With every token active at every layer this is a full causal prefill; with only the query tokens active it
-is direct reuse. The layers run one at a time (the same Linen `DecoderLayer` the model uses), so hidden
-states are carried only for the active tokens.
+is direct reuse. The layers run one at a time (the same Linen `DecoderLayer` the model uses, unrolled:
+each layer's active set has its own size), so hidden states are carried only for the active tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
-from kvjax.models import CausalLM
+from kvjax.models import CausalLM, layer_params
 from kvjax.models.transformer import DecoderLayer
 from kvjax.rope import rope_frequencies
 
@@ -63,9 +63,9 @@ def layer_step(params, cfg: ModelConfig, dtype, rope, layer: int, x, slots, posi
         out, probs = masked_attention(inputs.q, slots, k, v, valid, return_probs)
         return out, (k, v, probs)
 
-    module = DecoderLayer(cfg, layer, dtype)
+    module = DecoderLayer(cfg, dtype)
     x, (k_layer, v_layer, probs) = module.apply(
-        {"params": params[f"layers_{layer}"]}, x, x_positions, rope, attend, (k_layer, v_layer, None)
+        {"params": layer_params(params, layer)}, x, layer, x_positions, rope, attend, (k_layer, v_layer, None)
     )
     return x, k_layer, v_layer, probs
 

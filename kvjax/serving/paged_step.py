@@ -3,6 +3,8 @@ writing its keys and values into the one uint8 pool and reading them back throug
 view with the allocator's page tables, under a causal (and, per layer, sliding-window) mask.
 
 Shapes are static per call (batch rows B, chunk C, pages read per group P_g); the engine buckets them.
+The model scans its layers in segments of consecutive layers of one group (their tables share a shape);
+inside a segment a layer's slot in its group's page and its window are data indexed by the traced layer.
 """
 
 from __future__ import annotations
@@ -13,17 +15,13 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import _MASKED, _grouped
+from kvjax.attention import MASKED, grouped_queries
 from kvjax.config import ModelConfig
-from kvjax.models import CausalLM
+from kvjax.models import CausalLM, Segment, segments_by
 from kvjax.rope import rope_frequencies
 from kvjax.serving.layout import PoolLayout
 from kvjax.serving.model_groups import LayerGroups, row_bytes
 from kvjax.serving.views import reinterpret_pages
-
-# Traces of `paged_model_step` by (B, C, P per group): tests and the benchmark read it to count compiles.
-TRACE_COUNTS: dict[tuple, int] = {}
-
 
 @dataclass(frozen=True)
 class StepGeometry:
@@ -39,22 +37,20 @@ class StepGeometry:
 
 def window_attention(
     q: jax.Array, q_positions: jax.Array, k: jax.Array, v: jax.Array, key_positions: jax.Array,
-    key_valid: jax.Array, window: int,
+    key_valid: jax.Array, window,
 ) -> jax.Array:
     """Queries `q [B, T, Hq, D]` at `q_positions int32[B, T]` over keys `k, v [B, S, H, D]` at
     `key_positions int32[B, S]` where `key_valid bool[B, S]`: a query at p sees valid keys at p - window + 1
-    .. p (HF's Mistral / Gemma-2 sliding mask), every valid key at or before p when `window` is 0.
-    Softmax in float32. Returns `[B, T, Hq, D]`."""
+    .. p (HF's Mistral / Gemma-2 sliding mask), every valid key at or before p when `window` is 0 (an int
+    or an int32 scalar, traced inside a scan over layers). Softmax in float32. Returns `[B, T, Hq, D]`."""
     B, T, Hq, D = q.shape
     H = k.shape[2]
-    qg = _grouped(q, H)  # [B, T, H, G, D]
+    qg = grouped_queries(q, H)  # [B, T, H, G, D]
     scores = jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32) * D**-0.5
     qp = q_positions[:, None, None, :, None]  # [B, 1, 1, T, 1]
     kp = key_positions[:, None, None, None, :]  # [B, 1, 1, 1, S]
-    visible = key_valid[:, None, None, None, :] & (kp <= qp)
-    if window:
-        visible &= kp > qp - window
-    probs = jax.nn.softmax(jnp.where(visible, scores, _MASKED), axis=-1)
+    visible = key_valid[:, None, None, None, :] & (kp <= qp) & ((window == 0) | (kp > qp - window))
+    probs = jax.nn.softmax(jnp.where(visible, scores, MASKED), axis=-1)
     # Pages may hold stale bytes of another dtype (NaN as floats): zero what is not read so 0 * NaN
     # cannot reach the output.
     v = jnp.where(key_valid[:, :, None, None], v.astype(q.dtype), 0)
@@ -69,10 +65,11 @@ def _as_rows(x: jax.Array, dtype, row: int) -> jax.Array:
 
 
 def write_kv_rows(
-    pool: jax.Array, geo: StepGeometry, layer: int, page: jax.Array, slot: jax.Array, k: jax.Array, v: jax.Array,
-    writable: jax.Array,
+    pool: jax.Array, geo: StepGeometry, group: int, layer_slot, page: jax.Array, slot: jax.Array, k: jax.Array,
+    v: jax.Array, writable: jax.Array,
 ) -> jax.Array:
-    """Writes one layer's keys and values of a chunk into the pool.
+    """Writes one layer's keys and values of a chunk into the pool: the layer of `group` (static) whose index
+    among the group's layers is `layer_slot` (an int, or traced).
 
     pool uint8[pool_bytes]; page, slot int32[B, C]: the page id (of the layer's group) and slot in it of
     each token; k, v [B, C, H, D]; writable bool[B, C] (padding and unplaced tokens are dropped). The pool
@@ -80,7 +77,6 @@ def write_kv_rows(
     row: page p of group g starts at row (p // per_large) * large_rows + (p % per_large) * page_rows.
     """
     groups, layout = geo.groups, geo.layout
-    group, layer_slot = groups.layer_group[layer], groups.layer_slot[layer]
     spec = groups.specs[group]
     row = geo.row_bytes
     per_large = layout.pages_per_large(group)
@@ -96,11 +92,11 @@ def write_kv_rows(
     return rows.reshape(-1)
 
 
-def read_kv(pool: jax.Array, geo: StepGeometry, layer: int, table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Gathers one layer's keys and values of the pages in `table int32[B, P]` (-1: none) through the
-    group's typed view. Returns k, v `[B, P * tokens_per_page, H, D]` in the pool dtype."""
+def read_kv(pool: jax.Array, geo: StepGeometry, group: int, layer_slot, table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Gathers one layer's keys and values (the `layer_slot`-th layer of `group`, as in `write_kv_rows`) of
+    the pages in `table int32[B, P]` (-1: none) through the group's typed view. Returns k, v
+    `[B, P * tokens_per_page, H, D]` in the pool dtype."""
     groups = geo.groups
-    group, layer_slot = groups.layer_group[layer], groups.layer_slot[layer]
     view = reinterpret_pages(pool, geo.layout, group, groups.dtype, groups.kv_page_shape(group))  # [N, layers, 2, tpp, H, D]
     safe = jnp.clip(table, 0, view.shape[0] - 1)
     kv = view[safe, layer_slot]  # [B, P, 2, tpp, H, D]
@@ -119,30 +115,38 @@ def paged_model_step(params, pool, tokens, starts, num_new, tables, offsets, *, 
     real token).
     """
     B, C = tokens.shape
-    key = (B, C) + tuple(t.shape[1] for t in tables)
-    TRACE_COUNTS[key] = TRACE_COUNTS.get(key, 0) + 1
     groups = geo.groups
     positions = starts[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]  # [B, C]
     real = jnp.arange(C)[None, :] < num_new[:, None]
     ends = starts + num_new  # [B]
 
-    def attend(layer, inputs, pool):
-        group = groups.layer_group[layer]
+    layer_slot = jnp.asarray(groups.layer_slot, jnp.int32)  # [L]
+    layer_window = jnp.asarray(groups.layer_window, jnp.int32)  # [L], 0 = full attention
+
+    def attend_for(group: int):
         tpp = groups.specs[group].tokens_per_page
         table, offset = tables[group], offsets[group]  # [B, P], [B]
         P = table.shape[1]
-        block = positions // tpp - offset[:, None]  # [B, C]
-        page = jnp.take_along_axis(table, jnp.clip(block, 0, P - 1), axis=1)
-        writable = real & (block >= 0) & (block < P) & (page >= 0)
-        pool = write_kv_rows(pool, geo, layer, page, positions % tpp, inputs.k, inputs.v, writable)
-        k, v = read_kv(pool, geo, layer, table)
-        key_positions = ((offset[:, None] + jnp.arange(P))[:, :, None] * tpp + jnp.arange(tpp)).reshape(B, P * tpp)
-        key_valid = jnp.repeat(table >= 0, tpp, axis=1) & (key_positions < ends[:, None])
-        out = window_attention(inputs.q, positions, k, v, key_positions, key_valid, groups.layer_window[layer])
-        return out, pool
 
+        def attend(layer, inputs, pool):
+            block = positions // tpp - offset[:, None]  # [B, C]
+            page = jnp.take_along_axis(table, jnp.clip(block, 0, P - 1), axis=1)
+            writable = real & (block >= 0) & (block < P) & (page >= 0)
+            pool = write_kv_rows(pool, geo, group, layer_slot[layer], page, positions % tpp, inputs.k, inputs.v, writable)
+            k, v = read_kv(pool, geo, group, layer_slot[layer], table)
+            key_positions = ((offset[:, None] + jnp.arange(P))[:, :, None] * tpp + jnp.arange(tpp)).reshape(B, P * tpp)
+            key_valid = jnp.repeat(table >= 0, tpp, axis=1) & (key_positions < ends[:, None])
+            out = window_attention(inputs.q, positions, k, v, key_positions, key_valid, layer_window[layer])
+            return out, pool
+
+        return attend
+
+    # one segment per run of layers in one group (their tables share a shape)
+    segments = [
+        Segment(a, b, attend_for(groups.layer_group[a])) for a, b in segments_by(cfg.num_layers, groups.layer_group.__getitem__)
+    ]
     module = CausalLM(cfg, dtype)
-    hidden, pool = module.apply({"params": params}, tokens, positions, rope_frequencies(cfg, False), attend, pool)
+    hidden, pool = module.apply({"params": params}, tokens, positions, rope_frequencies(cfg, False), segments, pool)
     last = jnp.clip(num_new - 1, 0, C - 1)
     logits = module.apply({"params": params}, hidden[jnp.arange(B), last], method=CausalLM.logits)  # [B, V]
     return pool, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits

@@ -1,0 +1,74 @@
+"""Count the pages a page-selecting policy reads while decoding, for comparisons at equal reads.
+
+    tally = PageReads()
+    kvjax.generate(model, prompts, 8, policy=counting(make_policy("quest_adaptive", top_p=0.9), tally))
+    tally.mean  # pages read per (layer, sequence, head) and decode step, the current page included
+
+`counting(policy, tally)` wraps a selecting policy (Quest, adaptive Quest, or a `Compose` whose `select`
+part is one): its selections are what they were, and each decode step reports, per selecting layer, how
+many pages every head lists, through `jax.debug.callback` into `tally` on the host. A wrapper holds its
+tally by identity, so a new tally compiles a new step: an evaluation tool, not for serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvjax.policies.base import Policy
+from kvjax.policies.compose import Compose
+from kvjax.policies.quest_adaptive import selected_page_counts
+
+
+class PageReads:
+    """Host-side sums: `pages` read (listed pages plus the current one) over `rows` (layer, sequence, head)
+    selections; `mean` is their ratio. Compared by identity."""
+
+    def __init__(self):
+        self.pages = 0
+        self.rows = 0
+
+    def add(self, counts) -> None:
+        counts = np.asarray(counts)
+        self.pages += int(counts.sum()) + counts.size  # + the current page of every head
+        self.rows += counts.size
+
+    @property
+    def mean(self) -> float:
+        return self.pages / max(self.rows, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingSelect(Policy):
+    """`inner`'s page selection, reporting each selection's page counts to `tally`."""
+
+    inner: Any = None
+    tally: Any = None
+
+    def __hash__(self):
+        return hash((self.inner, id(self.tally)))
+
+    def __eq__(self, other):
+        return isinstance(other, CountingSelect) and self.inner == other.inner and self.tally is other.tally
+
+    def validate(self, page_size: int) -> None:
+        self.inner.validate(page_size)
+
+    def selects_pages(self, layer: int) -> bool:
+        return self.inner.selects_pages(layer)
+
+    def select_pages(self, layer, q, state):
+        selected = self.inner.select_pages(layer, q, state)
+        if selected is not None:
+            jax.debug.callback(self.tally.add, selected_page_counts(selected))
+        return selected
+
+
+def counting(policy: Policy, tally: PageReads) -> Policy:
+    """`policy` with its page selection counted into `tally` (a selecting policy, or a Compose of one)."""
+    if isinstance(policy, Compose):
+        return dataclasses.replace(policy, select=CountingSelect(inner=policy.select, tally=tally))
+    return CountingSelect(inner=policy, tally=tally)

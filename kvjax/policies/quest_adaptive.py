@@ -1,0 +1,83 @@
+"""Adaptive Quest (the idea of Twilight, Lin et al., 2025, from Quest's authors): per head, read the fewest
+pages whose estimated attention mass reaches `top_p`, instead of a fixed number of pages.
+
+At a decode step every scored page p of a head (each page below the length but the current one) gets
+Quest's bound u_p = sum_d max(q_d * kmin_d, q_d * kmax_d) >= q.k over the page's keys. The estimated mass of
+page p is softmax_p(u_p / sqrt(D)) over those scored pages: the attention the page's best possible key
+would get, normalised over the pages that compete for reads. The 1/sqrt(D) is the attention logit's
+scale; pages are full, so weighting by slot count would change nothing; the current page is read
+anyway, so its mass is left out of the normalisation (top_p is a share of the *other* pages' mass).
+Each head reads its highest-bound pages, in order, until their mass reaches `top_p` (Twilight's top-p,
+here over pages), at least `min_pages` and at most `token_budget // page_size - 1` of them, plus the
+current page. The selection keeps the static `int32[B, Hq or H, K]` form of Quest with K = that cap and
+-1 past a head's count, so shapes and compiles are as for Quest.
+
+Fields (defaults): `top_p` 0.9; `token_budget` 64, the cap in slots (selected pages plus the current
+one); `min_pages` 1; `dense_layers` 2 (Quest's); `per_kv_head` False (one selection per query head);
+`page_size` None (the cache's). `selected_page_counts` counts the pages a selection reads, for
+comparing against fixed-budget Quest at equal pages read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.policies.base import register_policy
+from kvjax.policies.quest import Quest
+
+
+def top_p_pages(scores: jax.Array, scale: float, top_p: float, min_pages: int, cap: int) -> jax.Array:
+    """Pages `int32[B, R, cap]` (-1 = none) from page bounds `scores f32[B, R, P]` (-inf = not a candidate):
+    per row the highest-scoring pages whose mass softmax(scores * scale) reaches `top_p`, at least
+    `min_pages`, at most `cap`, best first. `top_p >= 1` takes every candidate up to the cap (Quest)."""
+    candidate = jnp.isfinite(scores)
+    width = min(cap, scores.shape[-1])
+    values, pages = jax.lax.top_k(scores, width)  # [B, R, width] best first (ties: lower page)
+    top = jnp.max(jnp.where(candidate, scores, -jnp.inf), axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # rows without a candidate
+    weights = jnp.where(candidate, jnp.exp((scores - top) * scale), 0.0)
+    total = jnp.maximum(weights.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    mass = jnp.where(jnp.isfinite(values), jnp.exp((values - top) * scale), 0.0) / total
+    before = jnp.cumsum(mass, axis=-1) - mass  # mass of the better pages; non-decreasing, so a prefix is taken
+    rank = jnp.arange(width)
+    take = ((before < top_p) | (top_p >= 1.0) | (rank < min_pages)) & jnp.isfinite(values)
+    chosen = jnp.where(take, pages, -1).astype(jnp.int32)
+    return jnp.pad(chosen, ((0, 0), (0, 0), (0, cap - width)), constant_values=-1)
+
+
+def selected_page_counts(selected: jax.Array) -> jax.Array:
+    """int32[B, R]: pages a selection `int32[B, R, K]` lists (-1 = none), the current page not counted.
+    Averaged over rows, it is the "pages read per head" of a decode step beyond the current page."""
+    return jnp.sum(selected >= 0, axis=-1).astype(jnp.int32)
+
+
+@register_policy("quest_adaptive")
+@dataclasses.dataclass(frozen=True)
+class QuestAdaptive(Quest):
+    top_p: float = 0.9
+    min_pages: int = 1
+
+    def validate(self, page_size: int) -> None:
+        super().validate(page_size)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"quest_adaptive: top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_pages <= self.pages_to_select(page_size):
+            raise ValueError(
+                f"quest_adaptive: min_pages must be in [0, token_budget // page_size - 1 = "
+                f"{self.pages_to_select(page_size)}], got {self.min_pages}"
+            )
+
+    def select_pages(self, layer, q: jax.Array, state) -> jax.Array:
+        """q `[B, Hq, D]` -> logical pages `int32[B, Hq or H, K]` (-1 = none), K = token_budget // ps - 1."""
+        from kvjax import pallas_kernels
+
+        P = state.layer_read_pages(layer)
+        scores = pallas_kernels.quest_page_scores(
+            q, state.kmin, state.kmax, state.page_table[layer, :, :, :P], state.lengths[layer],
+            page_size=state.page_size, per_kv_head=self.per_kv_head,
+        )
+        cap = self.pages_to_select(state.page_size)
+        return top_p_pages(scores, q.shape[-1] ** -0.5, self.top_p, self.min_pages, cap)

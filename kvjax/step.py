@@ -1,0 +1,297 @@
+"""The jitted steps over the paged KV state: append a chunk to every layer and attend, and compress.
+
+`append_step` appends a chunk of tokens `[B, C]` (C = chunk size for prefill, 1 for decode) to every layer's
+pages and attends over them; `compress_step` applies a policy's keep sets after prefill (or after each
+prefill chunk). Shapes are static (chunk size, capacity, page size); lengths are arrays, so decoding never
+recompiles. The state is donated to each step.
+
+Both steps scan over layers (`kvjax.models.Segment`), so they compile one layer body per *segment* whatever
+the depth. A segment is a run of layers alike in everything the step decides at trace time
+(`layer_segments`: whether the policy compresses the layer, whether it selects pages there, how many pages
+the layer reads); inside it the layer index is traced and the policy's per-layer numbers (PyramidKV's
+budgets, Locret's heads) are data indexed by it.
+
+The host loops (`kvjax.generation`) drive these steps through a `StepBackend`: `LOCAL_BACKEND` here for one
+device, `kvjax.distributed` for a mesh (its steps reuse `append_and_attend`, `layer_view`,
+`decode_victim`, `over_decode_budget` and `forward_chunk` per shard).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.attention import (
+    blocked_paged_attention,
+    dense_decode_attention,
+    paged_attention,
+    sparse_decode_attention,
+)
+from kvjax.compaction import compact_layer, evict_one_slot
+from kvjax.config import ModelConfig
+from kvjax.models import CausalLM, Segment, segments_by
+from kvjax.policies import LayerView, Policy
+from kvjax.rope import rope_frequencies
+from kvjax.state import (
+    KVState,
+    add_slot_scores,
+    allocate_for_append,
+    append_to_layer,
+    gather_layer,
+    init_state,
+    overflow_error,
+)
+
+# attend for one segment of the step: (layer, AttentionInputs, state) -> (output [B, C, Hq, D], state)
+LayerAttend = Callable[[Any, Any, KVState], tuple[jax.Array, KVState]]
+
+
+# ------------------------------------------------------------------------------------------- per layer
+
+
+def layer_view(state: KVState, layer, num_layers: int, next_position, **extra) -> LayerView:
+    """One layer's cache as a policy sees it (`LayerView`: `[B, H, S]` slots in logical order); `layer`
+    may be traced (the state's read bound must then be the same for every layer, `KVState.for_layers`)."""
+    k, _, slot_pos, valid = gather_layer(state, layer)
+    P = state.layer_read_pages(layer)
+    score = state.slot_score[jnp.clip(state.page_table[layer, :, :, :P], 0, state.num_pages - 1)]
+    return LayerView(
+        layer=layer, num_layers=num_layers, k=k, slot_pos=slot_pos, valid=valid,
+        slot_score=score.reshape(slot_pos.shape), lengths=state.lengths[layer], next_position=next_position,
+        **extra,
+    )
+
+
+def layer_segments(policy: Policy, state: KVState, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """Runs `(start, stop)` of layers the step treats alike at trace time: whether `policy` compresses them,
+    whether it selects pages in them, and how many pages they read. Usually one or two runs (dense layers
+    first), so the steps' compile time does not grow with depth."""
+    return segments_by(
+        num_layers,
+        lambda l: (policy.compresses_layer(l), policy.selects_pages(l), state.layer_read_pages(l)),
+    )
+
+
+def append_and_attend(
+    state: KVState, layer, q, k, v, positions, num_new, *, policy: Policy, decoding: bool, need_probs: bool,
+    selects: bool = False, score=None,
+):
+    """One layer of an append step on one state (a whole state, or one shard's): write the chunk's k/v
+    `[B, C, H, D]` at `positions int32[B, C]` (the first `num_new[b]` real), then attend with `q [B, C, Hq, D]`,
+    through the policy's page selection when decoding in a layer where it `selects`. With `need_probs`,
+    also the chunk's attention probabilities `f32[B, H, G, C, S]` (padding rows zeroed), added to
+    `slot_score` for accumulating policies. `score f32[B, C, H]` becomes the new slots' `slot_score`.
+    Returns `(state, out [B, C, Hq, D], probs or None)`."""
+    state = append_to_layer(state, layer, k, v, positions, num_new, score=score)
+    selected = policy.select_pages(layer, q[:, 0], state) if decoding and selects else None
+    if selected is not None:
+        return state, sparse_decode_attention(q, state, layer, selected), None
+    if not need_probs:
+        if decoding:
+            return state, dense_decode_attention(q, state, layer), None
+        return state, blocked_paged_attention(q, positions, state, layer), None
+    out, probs = paged_attention(q, positions, state, layer, return_probs=True)
+    real = (jnp.arange(q.shape[1])[None, :] < num_new[:, None])[:, None, None, :, None]
+    probs = jnp.where(real, probs, 0.0)
+    if policy.accumulates_attention:
+        state = add_slot_scores(state, layer, probs.sum(axis=(2, 3)))
+    return state, out, probs
+
+
+def decode_victim(policy: Policy, view: LayerView) -> jax.Array:
+    """int32[B, H]: each head's lowest-scoring valid slot after a decode step (policies evicting while decoding)."""
+    scores = jnp.where(view.valid, policy.decode_scores(view), jnp.inf)
+    return jnp.argmin(scores, axis=-1).astype(jnp.int32)
+
+
+def over_decode_budget(state: KVState, layer, policy: Policy) -> jax.Array:
+    """bool[B, H]: heads holding more than the policy's decode budget (a pending hole does not count)."""
+    return state.lengths[layer] - (state.hole[layer] >= 0) > policy.decode_budget(0)
+
+
+# ------------------------------------------------------------------------------------- window carry
+
+
+def keep_last(window, chunk, num_new):
+    """Each row's last w real entries of concat(window, chunk): `window [B, w, ...]`, `chunk [B, C, ...]`,
+    `num_new int32[B]` real entries per chunk row."""
+    w = window.shape[1]
+    rows = num_new[:, None] + jnp.arange(w)[None, :]  # [B, w] rows of the concatenation
+    rows = rows.reshape(rows.shape + (1,) * (window.ndim - 2))
+    return jnp.take_along_axis(jnp.concatenate([window, chunk.astype(window.dtype)], axis=1), rows, axis=1)
+
+
+def new_window(cfg: ModelConfig, batch: int, size: int, dtype):
+    """The prefill carry of each sequence's last `size` queries per layer: `{"q": [L, B, w, Hq, D],
+    "pos": int32[B, w]}` (-1 before the prompt start), or None when the policy needs none."""
+    if size <= 0:
+        return None
+    return {
+        "q": jnp.zeros((cfg.num_layers, batch, size, cfg.num_heads, cfg.head_dim), dtype),
+        "pos": jnp.full((batch, size), -1, jnp.int32),
+    }
+
+
+# ------------------------------------------------------------------------------------------- forward
+
+
+def forward_chunk(
+    params, cfg: ModelConfig, dtype, policy: Policy, tokens, positions, num_new, last_logits, state: KVState, window,
+    attend_for: Callable[[int, int], LayerAttend],
+):
+    """The model over one chunk `tokens int32[B, C]` at `positions int32[B, C]`.
+
+    `attend_for(start, stop)` gives the attend of layers start .. stop - 1 (one of `layer_segments`); it
+    sees the state with that segment's read bound (`KVState.for_layers`) and a traced layer index. The
+    window carry (`new_window`) takes each layer's last queries. Returns `(state, window, logits f32[B, V])`:
+    logits at each row's last real token, `last_logits` where a row has none."""
+    B, C = tokens.shape
+    segments = []
+    for start, stop in layer_segments(policy, state, cfg.num_layers):
+        layer_attend = attend_for(start, stop)
+
+        def attend(layer, inputs, carry, layer_attend=layer_attend, start=start, stop=stop):
+            state, window_q = carry
+            out, new = layer_attend(layer, inputs, state.for_layers(start, stop))
+            if window_q is not None:
+                window_q = window_q.at[layer].set(keep_last(window_q[layer], inputs.q, num_new))
+            return out, (new.replace(read_pages=state.read_pages), window_q)
+
+        segments.append(Segment(start, stop, attend))
+    module = CausalLM(cfg, dtype)
+    rope = rope_frequencies(cfg, state.long_rope)
+    carry = (state, None if window is None else window["q"])
+    hidden, (state, window_q) = module.apply({"params": params}, tokens, positions, rope, segments, carry)
+    if window is not None:
+        window = {"q": window_q, "pos": keep_last(window["pos"], positions, num_new)}
+    last = jnp.clip(num_new - 1, 0, C - 1)
+    logits = module.apply({"params": params}, hidden[jnp.arange(B), last], method=CausalLM.logits)
+    return state, window, jnp.where((num_new > 0)[:, None], logits, last_logits)
+
+
+def scan_layers(body: Callable[[Any, Any], Any], carry, start: int, stop: int):
+    """`carry = body(carry, layer)` for layers start .. stop - 1, scanned (the layer index traced)."""
+    carry, _ = jax.lax.scan(lambda c, layer: (body(c, layer), None), carry, jnp.arange(start, stop, dtype=jnp.int32))
+    return carry
+
+
+# ---------------------------------------------------------------------------------------------- steps
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "policy"), donate_argnames=("state", "window"))
+def append_step(
+    params, state: KVState, window, tokens, num_new, last_logits, policy_params=None, *, cfg: ModelConfig, dtype,
+    policy: Policy,
+):
+    """Append `tokens int32[B, C]` (the first `num_new int32[B]` of each row are real) to every layer and
+    attend. `params` is the model's parameter tree, `window` the prefill carry (`new_window`, or None),
+    `last_logits f32[B, V]` the logits to keep for rows with nothing new, `policy_params` what
+    `policy.device_params()` returned (arrays its hooks read, e.g. Locret's heads).
+
+    C = 1 is a decode step: the policy's page selection and decode-time eviction apply. Returns the state,
+    the window carry and logits `f32[B, V]` at each row's last real token.
+    """
+    B, C = tokens.shape
+    decoding = C == 1
+    positions = state.next_position[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    state, ok = allocate_for_append(state, num_new, C)
+    num_new = jnp.where(ok, num_new, 0)
+    seen = state.next_position + num_new
+
+    def attend_for(start: int, stop: int) -> LayerAttend:
+        compressed, selects = policy.compresses_layer(start), policy.selects_pages(start)
+        need_probs = compressed and (policy.accumulates_attention or (decoding and policy.evicts_while_decoding))
+
+        def attend(layer, inputs, state):
+            score = policy.append_scores(layer, inputs, policy_params) if compressed else None
+            state, out, probs = append_and_attend(
+                state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, policy=policy,
+                decoding=decoding, need_probs=need_probs, selects=selects, score=score,
+            )
+            if probs is not None and decoding and policy.evicts_while_decoding:
+                view = layer_view(state, layer, cfg.num_layers, seen, probs=probs[:, :, :, 0])
+                state = evict_one_slot(
+                    state, layer, decode_victim(policy, view), over_decode_budget(state, layer, policy), view.k
+                )
+            return out, state
+
+        return attend
+
+    state, window, logits = forward_chunk(
+        params, cfg, dtype, policy, tokens, positions, num_new, last_logits, state, window, attend_for
+    )
+    return state.replace(next_position=seen), window, logits
+
+
+def compress_segments(policy: Policy, state: KVState, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """The runs of `layer_segments` whose layers the policy compresses."""
+    return tuple((a, b) for a, b in layer_segments(policy, state, num_layers) if policy.compresses_layer(a))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("num_layers", "policy", "keep_bound", "read_pages"), donate_argnames=("state",)
+)
+def compress_step(
+    state: KVState, window, final=None, *, num_layers: int, policy: Policy, keep_bound: int, read_pages: tuple | None
+):
+    """Apply the policy's keep sets (at most `keep_bound` slots per head, static; a per-layer budget below
+    it, PyramidKV's, is data) to every compressed layer, then bound each layer's pages to `read_pages`.
+    `window` is the prefill carry; `final bool[B]` (per-chunk compression): whether this was each sequence's
+    last prefill chunk."""
+    for start, stop in compress_segments(policy, state, num_layers):
+
+        def body(state, layer, start=start, stop=stop):
+            local = state.for_layers(start, stop)
+            extra = {} if window is None else {"window_q": window["q"][layer], "window_pos": window["pos"]}
+            view = layer_view(local, layer, num_layers, state.next_position, final_chunk=final, **extra)
+            keep_slots, keep_count = policy.compress_layer(view, keep_bound)
+            return compact_layer(local, layer, keep_slots, keep_count).replace(read_pages=state.read_pages)
+
+        state = scan_layers(body, state, start, stop)
+    return state.replace(read_pages=read_pages)
+
+
+# -------------------------------------------------------------------------------------------- backend
+
+
+class StepBackend(NamedTuple):
+    """Where the host loop's state lives and which jitted steps advance it: one device (`LOCAL_BACKEND`) or a
+    device mesh (`kvjax.distributed`, which stacks one state per shard). The prefill, decode and generate
+    loops of `kvjax.generation` are written once against it."""
+
+    new_state: Callable[..., KVState]  # (cfg, B, capacity, page_size, num_pages, dtype, long_rope, read_pages)
+    append_step: Callable  # `append_step`'s signature
+    compress_step: Callable  # `compress_step`'s signature
+    overflow_error: Callable[[KVState], Exception | None]
+    put: Callable[[Any], jax.Array]  # a host array with a leading batch axis -> a device array
+
+
+def local_state(cfg, batch, capacity, page_size, num_pages, dtype, long_rope, read_pages) -> KVState:
+    """An empty single-device state (`init_state`) with static per-layer read bounds `read_pages`."""
+    state = init_state(cfg, batch, capacity, page_size, num_pages=num_pages, dtype=dtype, long_rope=long_rope)
+    return state.replace(read_pages=read_pages)
+
+
+LOCAL_BACKEND = StepBackend(local_state, append_step, compress_step, overflow_error, jnp.asarray)
+
+
+__all__ = [
+    "LOCAL_BACKEND",
+    "StepBackend",
+    "append_and_attend",
+    "append_step",
+    "compress_segments",
+    "compress_step",
+    "decode_victim",
+    "forward_chunk",
+    "keep_last",
+    "layer_segments",
+    "layer_view",
+    "local_state",
+    "new_window",
+    "over_decode_budget",
+    "scan_layers",
+]
