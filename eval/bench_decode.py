@@ -165,7 +165,11 @@ def main(argv=None):
     if args.quick:
         args.layers, args.contexts, args.steps, args.vocab, args.read_gib = 2, [128, 256], 3, 4096, 0.25
 
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("kvjax bench decode compares against transformers on torch, which is not installed: "
+                         "pip install 'kvjax[dev]' (torch's CPU wheel) first") from None
     from transformers import LlamaForCausalLM
     from tqdm import tqdm
 
