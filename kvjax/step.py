@@ -13,7 +13,7 @@ budgets, Locret's heads) are data indexed by it.
 
 The host loops (`kvjax.generation`) drive these steps through a `StepBackend`: `LOCAL_BACKEND` here for one
 device, `kvjax.distributed` for a mesh (its steps reuse `append_and_attend`, `layer_view`,
-`decode_victim`, `over_decode_budget` and `forward_chunk` per shard).
+`layer_roles`, `decode_victim`, `over_decode_budget` and `forward_chunk` per shard).
 """
 
 from __future__ import annotations
@@ -24,12 +24,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import (
-    blocked_paged_attention,
-    dense_decode_attention,
-    paged_attention,
-    sparse_decode_attention,
-)
+from kvjax.attention import attention_column_sums, blocked_paged_attention, decode_attention, read_slots
 from kvjax.compaction import compact_layer, evict_one_slot
 from kvjax.config import ModelConfig
 from kvjax.models import CausalLM, Segment, segments_by
@@ -65,6 +60,16 @@ def layer_view(state: KVState, layer, num_layers: int, next_position, **extra) -
     )
 
 
+def page_view(state: KVState, layer, num_layers: int, q) -> LayerView:
+    """What a page-selecting policy reads at a decode step: the query `q [B, Hq, D]` and the layer's page
+    metadata (the table up to its read bound, the pool's key min/max), no slot gathered."""
+    P = state.layer_read_pages(layer)
+    return LayerView(
+        layer=layer, num_layers=num_layers, lengths=state.lengths[layer], q=q,
+        page_table=state.page_table[layer, :, :, :P], kmin=state.kmin, kmax=state.kmax, page_size=state.page_size,
+    )
+
+
 def layer_segments(policy: Policy, state: KVState, num_layers: int) -> tuple[tuple[int, int], ...]:
     """Runs `(start, stop)` of layers the step treats alike at trace time: whether `policy` compresses them,
     whether it selects pages in them, and how many pages they read. Usually one or two runs (dense layers
@@ -76,29 +81,63 @@ def layer_segments(policy: Policy, state: KVState, num_layers: int) -> tuple[tup
 
 
 def append_and_attend(
-    state: KVState, layer, q, k, v, positions, num_new, *, policy: Policy, decoding: bool, need_probs: bool,
-    selects: bool = False, score=None,
+    state: KVState, layer, q, k, v, positions, num_new, *, policy: Policy, decoding: bool, selects: bool = False,
+    accumulate: bool = False, evict: bool = False, score=None, num_layers: int = 0, next_position=None,
 ):
     """One layer of an append step on one state (a whole state, or one shard's): write the chunk's k/v
     `[B, C, H, D]` at `positions int32[B, C]` (the first `num_new[b]` real), then attend with `q [B, C, Hq, D]`,
-    through the policy's page selection when decoding in a layer where it `selects`. With `need_probs`,
-    also the chunk's attention probabilities `f32[B, H, G, C, S]` (padding rows zeroed), added to
-    `slot_score` for accumulating policies. `score f32[B, C, H]` becomes the new slots' `slot_score`.
-    Returns `(state, out [B, C, Hq, D], probs or None)`."""
+    through the policy's page selection when decoding in a layer where it `selects`. `score f32[B, C, H]`
+    becomes the new slots' `slot_score`.
+
+    Attention always runs through the blocked or kernel paths; what a policy needs of the probabilities is
+    rebuilt from their row statistics. With `accumulate` (H2O) each slot's attention from the chunk's real
+    queries (summed over the group) is added to `slot_score`: prefill sums it block by block
+    (`attention_column_sums`), decode from the step's `LayerView.probs`. With `evict` (a decode step of
+    a policy evicting while decoding) the layer's `LayerView` after the step is returned, carrying the
+    query, the kernel's row max and sum and the slots read, for `decode_scores`.
+    Returns `(state, out [B, C, Hq, D], view or None)`."""
     state = append_to_layer(state, layer, k, v, positions, num_new, score=score)
-    selected = policy.select_pages(layer, q[:, 0], state) if decoding and selects else None
+    if not decoding:
+        if not accumulate:
+            return state, blocked_paged_attention(q, positions, state, layer), None
+        out, row_max, row_sum = blocked_paged_attention(q, positions, state, layer, return_stats=True)
+        real = jnp.arange(q.shape[1])[None, :] < num_new[:, None]
+        sums = attention_column_sums(q, positions, state, layer, row_max, row_sum, real)
+        return add_slot_scores(state, layer, sums), out, None
+    selected = policy.select_pages(page_view(state, layer, num_layers, q[:, 0])) if selects else None
+    if not (accumulate or evict):
+        return state, decode_attention(q, state, layer, selected), None
+    out, row_max, row_sum = decode_attention(q, state, layer, selected, return_stats=True)
+    read = None
     if selected is not None:
-        return state, sparse_decode_attention(q, state, layer, selected), None
-    if not need_probs:
-        if decoding:
-            return state, dense_decode_attention(q, state, layer), None
-        return state, blocked_paged_attention(q, positions, state, layer), None
-    out, probs = paged_attention(q, positions, state, layer, return_probs=True)
-    real = (jnp.arange(q.shape[1])[None, :] < num_new[:, None])[:, None, None, :, None]
-    probs = jnp.where(real, probs, 0.0)
-    if policy.accumulates_attention:
-        state = add_slot_scores(state, layer, probs.sum(axis=(2, 3)))
-    return state, out, probs
+        read = read_slots(selected, state.lengths[layer], state.page_size, state.layer_read_pages(layer))
+    view = layer_view(state, layer, num_layers, next_position, q=q[:, 0], row_max=row_max, row_sum=row_sum, read=read)
+    if accumulate:
+        delta = view.probs.sum(axis=2) * (num_new > 0)[:, None, None]  # [B, H, S]
+        state = add_slot_scores(state, layer, delta)
+        view = view._replace(slot_score=view.slot_score + delta)
+    return state, out, view if evict else None
+
+
+class LayerRoles(NamedTuple):
+    """What a step does in a segment of layers, from the policy's roles (static)."""
+
+    selects: bool  # decode reads the pages `select_pages` chooses
+    accumulate: bool  # every query's attention is added to slot_score (H2O)
+    evict: bool  # a decode step drops a slot of each head over the decode budget
+    chunks: Any  # the chunk schedule whose per-token scores the appended slots take (Locret's prefill)
+
+
+def layer_roles(policy: Policy, layer: int, decoding: bool) -> LayerRoles:
+    """The roles the policy plays in `layer` (a plain int: the first of its segment) in a prefill chunk or
+    a decode step."""
+    compressed = policy.compresses and policy.compresses_layer(layer)
+    return LayerRoles(
+        selects=decoding and policy.selects_pages(layer),
+        accumulate=compressed and policy.accumulates_attention,
+        evict=compressed and decoding and policy.evicts_while_decoding,
+        chunks=policy.chunks if compressed and not decoding else None,
+    )
 
 
 def decode_victim(policy: Policy, view: LayerView) -> jax.Array:
@@ -109,7 +148,7 @@ def decode_victim(policy: Policy, view: LayerView) -> jax.Array:
 
 def over_decode_budget(state: KVState, layer, policy: Policy) -> jax.Array:
     """bool[B, H]: heads holding more than the policy's decode budget (a pending hole does not count)."""
-    return state.lengths[layer] - (state.hole[layer] >= 0) > policy.decode_budget(0)
+    return state.lengths[layer] - (state.hole[layer] >= 0) > policy.decode_budget
 
 
 # ------------------------------------------------------------------------------------- window carry
@@ -188,8 +227,8 @@ def append_step(
 ):
     """Append `tokens int32[B, C]` (the first `num_new int32[B]` of each row are real) to every layer and
     attend. `params` is the model's parameter tree, `window` the prefill carry (`new_window`, or None),
-    `last_logits f32[B, V]` the logits to keep for rows with nothing new, `policy_params` what
-    `policy.device_params()` returned (arrays its hooks read, e.g. Locret's heads).
+    `last_logits f32[B, V]` the logits to keep for rows with nothing new, `policy_params` the arrays of the
+    policy's chunk schedule (`policy.chunks.params`, Locret's heads) in prefill, else None.
 
     C = 1 is a decode step: the policy's page selection and decode-time eviction apply. Returns the state,
     the window carry and logits `f32[B, V]` at each row's last real token.
@@ -202,17 +241,16 @@ def append_step(
     seen = state.next_position + num_new
 
     def attend_for(start: int, stop: int) -> LayerAttend:
-        compressed, selects = policy.compresses_layer(start), policy.selects_pages(start)
-        need_probs = compressed and (policy.accumulates_attention or (decoding and policy.evicts_while_decoding))
+        roles = layer_roles(policy, start, decoding)
 
         def attend(layer, inputs, state):
-            score = policy.append_scores(layer, inputs, policy_params) if compressed else None
-            state, out, probs = append_and_attend(
+            score = roles.chunks.score(layer, inputs, policy_params) if roles.chunks is not None else None
+            state, out, view = append_and_attend(
                 state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, policy=policy,
-                decoding=decoding, need_probs=need_probs, selects=selects, score=score,
+                decoding=decoding, selects=roles.selects, accumulate=roles.accumulate, evict=roles.evict,
+                score=score, num_layers=cfg.num_layers, next_position=seen,
             )
-            if probs is not None and decoding and policy.evicts_while_decoding:
-                view = layer_view(state, layer, cfg.num_layers, seen, probs=probs[:, :, :, 0])
+            if view is not None:
                 state = evict_one_slot(
                     state, layer, decode_victim(policy, view), over_decode_budget(state, layer, policy), view.k
                 )
@@ -280,6 +318,7 @@ LOCAL_BACKEND = StepBackend(local_state, append_step, compress_step, overflow_er
 
 __all__ = [
     "LOCAL_BACKEND",
+    "LayerRoles",
     "StepBackend",
     "append_and_attend",
     "append_step",
@@ -288,10 +327,12 @@ __all__ = [
     "decode_victim",
     "forward_chunk",
     "keep_last",
+    "layer_roles",
     "layer_segments",
     "layer_view",
     "local_state",
     "new_window",
     "over_decode_budget",
+    "page_view",
     "scan_layers",
 ]

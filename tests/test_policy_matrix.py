@@ -32,13 +32,6 @@ from test_state import check_invariants
 PAGE, CHUNK, STEPS = 8, 32, 64
 PROMPT_LENGTHS = (77, 50)  # ragged; three and two prefill chunks
 COVER_LENGTHS, COVER_STEPS = (22, 13), 8  # 30 tokens at most: every case's budget covers them
-# known bugs (issue 16), until Compose forwards every role of its parts
-BROKEN = {
-    "compose-h2o-quest": "Compose: the selecting path returns no attention probabilities, so it never evicts",
-    "compose-tova-quest": "Compose: the selecting path returns no attention probabilities, so it never evicts",
-    "compose-streaming-quest": "Compose: the selecting path returns no attention probabilities, so it never evicts",
-    "compose-locret-quest": "Compose forwards neither per-chunk compression, the tail, the heads nor append scores",
-}
 
 
 def _model(hf_models):
@@ -53,8 +46,7 @@ BY_ID = {case.id: case for case in CASES}
 
 
 def _params():
-    return [pytest.param(case, id=case.id, marks=[pytest.mark.xfail(strict=True, reason=BROKEN[case.id])]
-                         if case.id in BROKEN else []) for case in CASES]
+    return [pytest.param(case, id=case.id) for case in CASES]
 
 
 def _prompts(lengths, seed):
@@ -93,8 +85,8 @@ def _check_pages(state):
     assert sum(len(p) for per_l in kept_positions(state) for per_b in per_l for p in per_b) == int(_held(state).sum())
 
 
-def _check_positions(kept, state, lengths):
-    seen = np.asarray(state.next_position)
+def _check_positions(kept, seen):
+    """Every kept position of row b is one of its `seen[b]` tokens, none twice."""
     for l, per_l in enumerate(kept):
         for b, per_b in enumerate(per_l):
             for h, positions in enumerate(per_b):
@@ -104,8 +96,7 @@ def _check_positions(kept, state, lengths):
 
 def decode_budget(policy):
     """Slots a compressed head holds at most while decoding, or None when it keeps every new token."""
-    part = getattr(policy, "evict", policy)  # a composition evicts with its `evict` part
-    return part.token_budget if policy.evicts_while_decoding else None
+    return policy.decode_budget if policy.evicts_while_decoding else None
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +128,8 @@ def test_policy_matrix(runs, case):
     # real positions only, and the pages of the kept slots are the pages in use, after decoding too
     check_invariants(state)
     _check_pages(state)
-    _check_positions(run["kept"], state, PROMPT_LENGTHS)
+    _check_positions(run["kept"], PROMPT_LENGTHS)  # after prefill
+    _check_positions(kept_positions(state), np.asarray(state.next_position))  # after decoding
     assert list(np.asarray(state.next_position)) == [n + STEPS for n in PROMPT_LENGTHS]
 
     # decode: held slots per step

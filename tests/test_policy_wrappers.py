@@ -9,8 +9,10 @@ import kvjax
 from conftest import random_tokens
 from kvjax.compaction import kept_positions
 from kvjax.policies import AdaKV
+from kvjax.policies.options import parse_policy_options
 from kvjax.policies.page_reads import PageReads, counting
 from kvjax.policies.quest_adaptive import selected_page_counts
+from kvjax.step import page_view
 from policy_reference import ada_budgets, assert_top_set, capture_qk, h2o_scores, snapkv_scores, tova_scores
 from test_state import check_invariants
 
@@ -112,6 +114,13 @@ def test_ada_by_name_builds_the_scorer():
     assert AdaKV.from_options().scorer == kvjax.make_policy("snapkv")
     with pytest.raises(ValueError, match="belong to the scorer"):
         AdaKV.from_options(scorer=kvjax.make_policy("h2o"), token_budget=3)
+    # by name, and as the command line gives options
+    assert kvjax.make_policy("ada", scorer="h2o", token_budget=48, recent_size=8, alpha=0.3) == policy
+    text = parse_policy_options("ada", ["scorer=tova", "token_budget=40", "form=kvpress", "dense_layers=1"])
+    assert text == {"scorer": "tova", "token_budget": 40, "form": "kvpress", "dense_layers": 1}
+    assert kvjax.make_policy("ada", **text).scorer == kvjax.make_policy("tova", token_budget=40, dense_layers=1)
+    with pytest.raises(ValueError, match="has no option 'recent_size'"):
+        parse_policy_options("ada", ["scorer=tova", "recent_size=4"])
 
 
 @pytest.mark.parametrize(
@@ -187,7 +196,7 @@ def test_adaptive_quest_selection_matches_numpy(quest_state, per_kv_head, top_p,
     policy = kvjax.make_policy("quest_adaptive", token_budget=budget, top_p=top_p, min_pages=2, per_kv_head=per_kv_head,
                                dense_layers=1)
     q = sharpness * np.random.default_rng(5).normal(size=(2, cfg.num_heads, cfg.head_dim)).astype(np.float32)
-    selected = np.asarray(policy.select_pages(1, jnp.asarray(q), state))
+    selected = np.asarray(policy.select_pages(page_view(state, 1, cfg.num_layers, jnp.asarray(q))))
     rows = cfg.num_kv_heads if per_kv_head else cfg.num_heads
     assert selected.shape == (2, rows, budget // 16 - 1)
     bounds = numpy_page_bounds(state, 1, q, per_kv_head)
@@ -207,8 +216,9 @@ def test_adaptive_quest_with_top_p_one_is_quest(quest_state):
     q = jnp.asarray(np.random.default_rng(6).normal(size=(2, model.cfg.num_heads, model.cfg.head_dim)), jnp.float32)
     for per_kv_head in (False, True):
         options = dict(token_budget=96, dense_layers=1, per_kv_head=per_kv_head)
-        fixed = np.asarray(kvjax.make_policy("quest", **options).select_pages(1, q, state))
-        adaptive = np.asarray(kvjax.make_policy("quest_adaptive", top_p=1.0, **options).select_pages(1, q, state))
+        view = page_view(state, 1, model.cfg.num_layers, q)
+        fixed = np.asarray(kvjax.make_policy("quest", **options).select_pages(view))
+        adaptive = np.asarray(kvjax.make_policy("quest_adaptive", top_p=1.0, **options).select_pages(view))
         np.testing.assert_array_equal(adaptive, fixed)
 
 

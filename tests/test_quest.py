@@ -8,6 +8,7 @@ import pytest
 import kvjax
 from conftest import random_tokens
 from kvjax.policies import Compose
+from kvjax.step import page_view
 from test_state import check_invariants
 
 
@@ -58,7 +59,7 @@ def test_quest_selection_matches_numpy(model, per_kv_head):
     policy = kvjax.make_policy("quest", token_budget=64, dense_layers=1, per_kv_head=per_kv_head)
     q = np.random.default_rng(5).normal(size=(2, model.cfg.num_heads, model.cfg.head_dim)).astype(np.float32)
     assert not policy.selects_pages(0) and policy.selects_pages(1)  # layer 0 is dense: the step reads it whole
-    selected = np.asarray(policy.select_pages(1, jnp.asarray(q), state))
+    selected = np.asarray(policy.select_pages(page_view(state, 1, model.cfg.num_layers, jnp.asarray(q))))
     reference = numpy_quest_selection(state, 1, q, 64, per_kv_head)
     assert selected.shape == (2, model.cfg.num_kv_heads if per_kv_head else model.cfg.num_heads, 3)
     for (b, row), pages in reference.items():
@@ -137,6 +138,14 @@ def test_compose_evicts_then_selects(model):
     assert out.shape == (1, 5) and np.all(out >= 0)
     state, _ = kvjax.prefill(model, prompt, policy=policy)
     assert int(np.asarray(state.lengths).max()) == 96
+
+
+def test_compose_refuses_parts_in_the_wrong_role(model):
+    quest, snapkv = kvjax.make_policy("quest", token_budget=32), kvjax.make_policy("snapkv", token_budget=64)
+    for policy, message in ((Compose(evict=quest, select=quest), "evict=quest selects pages"),
+                            (Compose(evict=snapkv, select=snapkv), "select=snapkv evicts")):
+        with pytest.raises(ValueError, match=message):
+            kvjax.generate(model, [[1, 2, 3]], max_new_tokens=2, policy=policy)
 
 
 @pytest.mark.parametrize(

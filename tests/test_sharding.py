@@ -99,17 +99,10 @@ def test_every_policy_and_replicated_heads():
 
 # --------------------------------------------------------- the policy matrix (tests/policy_cases.py) on 2 devices
 
-MATRIX_BROKEN = {  # known bugs (issue 16), until Compose forwards every role of its parts
-    f"compose-{evict}-quest": "Compose: the selecting path returns no attention probabilities to evict with"
-    for evict in ("h2o", "tova", "streaming")
-}
-
-
 def _matrix_params():
     from test_policy_matrix import CASES
 
-    return [pytest.param(case.id, id=case.id, marks=[pytest.mark.xfail(strict=True, reason=MATRIX_BROKEN[case.id])]
-                         if case.id in MATRIX_BROKEN else []) for case in CASES]
+    return [pytest.param(case.id, id=case.id) for case in CASES]
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from kvjax.step import (
     compress_segments,
     decode_victim,
     forward_chunk,
+    layer_roles,
     layer_view,
     over_decode_budget,
     scan_layers,
@@ -41,21 +42,20 @@ from kvjax.step import (
 
 # KVState fields allocate_for_append changes besides `overflow` (restored when another shard failed)
 _ALLOCATION_FIELDS = ("page_table", "num_free", "refcount", "kmin", "kmax", "slot_pos", "slot_score")
-_VIEW_FIELDS = ("k", "slot_pos", "valid", "slot_score", "lengths")
+_SLOT_FIELDS = ("k", "slot_pos", "valid", "slot_score", "lengths")  # a view's [B, H, ...] slot arrays
 
 
-def _view_specs(heads, with_probs: bool) -> dict:
-    """Specs of a LayerView's arrays, batch over "data" and kv heads over `heads`."""
+def _view_specs(heads, fields) -> dict:
+    """Specs of a LayerView's arrays `fields`, batch over "data" and heads (kv, or query) over `heads`."""
     specs = {"k": P(DATA, heads, None, None), "slot_pos": P(DATA, heads, None), "valid": P(DATA, heads, None),
-             "slot_score": P(DATA, heads, None), "lengths": P(DATA, heads)}
-    if with_probs:
-        specs["probs"] = P(DATA, heads, None, None)
-    return specs
+             "slot_score": P(DATA, heads, None), "lengths": P(DATA, heads), "q": P(DATA, heads, None),
+             "row_max": P(DATA, heads), "row_sum": P(DATA, heads), "read": P(DATA, heads, None, None)}
+    return {name: specs[name] for name in fields}
 
 
 def _view_parts(state: KVState, layer, num_layers: int, next_position, **extra) -> dict:
     view = layer_view(state, layer, num_layers, next_position, **extra)
-    return {name: getattr(view, name) for name in _VIEW_FIELDS + tuple(extra)}
+    return {name: getattr(view, name) for name in _SLOT_FIELDS + tuple(extra)}
 
 
 def _with_next_position(state: KVState, seen: jax.Array) -> KVState:
@@ -90,30 +90,30 @@ def _sharded_append_step(
     seen = state.next_position[:, 0].reshape(B) + num_new
 
     def attend_for(start: int, stop: int):
-        compressed, selects = policy.compresses_layer(start), policy.selects_pages(start)
-        need_probs = compressed and (policy.accumulates_attention or (decoding and policy.evicts_while_decoding))
-        evicting = need_probs and decoding and policy.evicts_while_decoding
+        roles = layer_roles(policy, start, decoding)
+        # the view a decode-time eviction decides on: slots, and the step's attention statistics
+        fields = (_SLOT_FIELDS + ("q", "row_max", "row_sum") + (("read",) if roles.selects else ())) if roles.evict else ()
 
         def attend(layer, inputs, state):
             # a per-token score (Locret's heads read every head's features): computed globally, stored per shard
-            score = policy.append_scores(layer, inputs, policy_params) if compressed else None
+            score = roles.chunks.score(layer, inputs, policy_params) if roles.chunks is not None else None
 
             # the traced layer index enters each shard as an argument (replicated), not by closure
             def local(st, layer, q, k, v, pos, n, next_position, *score):
-                st, out, probs = append_and_attend(
-                    st, layer, q, k, v, pos, n, policy=policy, decoding=decoding, need_probs=need_probs,
-                    selects=selects, score=score[0] if score else None,
+                st, out, view = append_and_attend(
+                    st, layer, q, k, v, pos, n, policy=policy, decoding=decoding, selects=roles.selects,
+                    accumulate=roles.accumulate, evict=roles.evict, score=score[0] if score else None,
+                    num_layers=cfg.num_layers, next_position=next_position,
                 )
-                parts = _view_parts(st, layer, cfg.num_layers, next_position, probs=probs[:, :, :, 0]) if evicting else {}
-                return st, out, parts
+                return st, out, {name: getattr(view, name) for name in fields}
 
             args = (state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, seen)
             in_specs = (S, scalar, heads4, heads4, heads4, P(DATA, None), rows, rows)
             if score is not None:
                 args, in_specs = args + (score,), in_specs + (P(DATA, None, H),)
-            out_specs = (S, heads4, _view_specs(H, True) if evicting else {})
+            out_specs = (S, heads4, _view_specs(H, fields))
             state, out, parts = per_shard(local, mesh, in_specs, out_specs)(*args)
-            if evicting:
+            if roles.evict:
                 view = LayerView(layer=layer, num_layers=cfg.num_layers, next_position=seen, **parts)
 
                 def evict(st, layer, victim, keys):
@@ -152,7 +152,7 @@ def _sharded_compress_step(
             local = state.for_layers(start, stop)
             parts = per_shard(
                 lambda st, layer, nxt: _view_parts(st, layer, num_layers, nxt), mesh, (S, P(), P(DATA)),
-                _view_specs(H, False),
+                _view_specs(H, _SLOT_FIELDS),
             )(local, layer, next_position)
             extra = {} if window is None else {"window_q": window["q"][layer], "window_pos": window["pos"]}
             view = LayerView(

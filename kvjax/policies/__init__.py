@@ -1,6 +1,8 @@
 """KV-cache policies: one small file per method, registered by name for `kvjax.make_policy`."""
 
-from kvjax.policies.base import POLICY_REGISTRY, FullPolicy, LayerView, Policy, make_policy, register_policy
+from kvjax.policies.base import (
+    POLICY_REGISTRY, ChunkSchedule, FullPolicy, LayerView, Policy, make_policy, register_policy,
+)
 from kvjax.policies.eviction import ScoredEviction
 from kvjax.policies.snapkv import SnapKV
 from kvjax.policies.adakv import AdaSnapKV
@@ -16,6 +18,6 @@ from kvjax.policies.locret import Locret
 from kvjax.policies.ada import AdaKV
 
 __all__ = [
-    "POLICY_REGISTRY", "AdaKV", "AdaPyramid", "AdaSnapKV", "Compose", "Quest", "QuestAdaptive", "QuestStatic", "FullPolicy", "H2O", "LayerView", "Locret", "Policy", "PyramidKV",
+    "POLICY_REGISTRY", "AdaKV", "AdaPyramid", "AdaSnapKV", "ChunkSchedule", "Compose", "Quest", "QuestAdaptive", "QuestStatic", "FullPolicy", "H2O", "LayerView", "Locret", "Policy", "PyramidKV",
     "ScoredEviction", "SnapKV", "StreamingLLM", "TOVA", "make_policy", "register_policy",
 ]

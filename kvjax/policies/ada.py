@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
+import jax.numpy as jnp
 
 from kvjax.policies.adakv import adaptive_budgets
-from kvjax.policies.base import LayerView, Policy, make_policy, register_policy
+from kvjax.policies.base import POLICY_REGISTRY, LayerView, Policy, make_policy, register_policy
 from kvjax.policies.eviction import NEG, ScoredEviction, keep_top
 from kvjax.policies.snapkv import SnapKV
 
@@ -57,9 +57,13 @@ class AdaKV(Policy):
             raise ValueError(f"ada: options {sorted(scorer_options)} belong to the scorer; give them to it")
         return cls(scorer=scorer, alpha=alpha, form=form)
 
-    # the scorer's capabilities and sizes
-    compresses = True
+    @classmethod
+    def option_types(cls, options: dict[str, str]) -> dict[str, Any]:
+        scorer = POLICY_REGISTRY.get(options.get("scorer", "snapkv"))
+        parts = {} if scorer is None else scorer.option_types(options)
+        return {**parts, "scorer": str, "alpha": float, "form": str}
 
+    # the scorer's inputs and sizes
     @property
     def accumulates_attention(self) -> bool:  # type: ignore[override]
         return self.scorer.accumulates_attention
@@ -102,6 +106,6 @@ class AdaKV(Policy):
         return min(prompt_len, num_kv_heads * most)
 
     def compress_layer(self, view: LayerView, keep_bound: int):
-        scores = jax.numpy.where(view.valid, self.scorer.scores(view), NEG)
+        scores = jnp.where(view.valid, self.scorer.scores(view), NEG)
         budgets = adaptive_budgets(self, view, scores, self.per_head(view.num_layers))
-        return keep_top(scores, jax.numpy.minimum(budgets, view.lengths), keep_bound)
+        return keep_top(scores, jnp.minimum(budgets, view.lengths), keep_bound)

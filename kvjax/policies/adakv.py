@@ -5,6 +5,10 @@ over all heads of the layer; head h's share is cnt_h and its budget round(cnt_h 
 (alpha = 0.5). `form="kvpress"` follows kvpress's AdaKVPress instead: each head's top alpha * token_budget
 scores are protected (alpha = 0.2 there), then the layer keeps its top H * token_budget scores, window
 included.
+
+Fields (defaults; the paper's in brackets): SnapKV's (`token_budget` 128, `window` 32, `kernel_size` 7,
+`pooling` "max"), `alpha` 0.5 [0.5; kvpress 0.2], `form` "paper". `ada` (kvjax/policies/ada.py) is the
+same allocation over any scorer.
 """
 
 from __future__ import annotations

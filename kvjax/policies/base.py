@@ -1,17 +1,20 @@
 """The policy interface and registry.
 
-A policy is a frozen, hashable dataclass (static under `jit`). The generation step calls its hooks:
+A policy is a frozen, hashable dataclass (static under `jit`). A method defines the hooks of its roles;
+its capabilities follow from the hooks it defines:
 
-- `compress_layer` once after prefill (for methods with `compresses`; after every prefill chunk for
-  methods that also have `compresses_each_chunk`, Locret): choose which slots each (sequence, kv-head)
-  keeps; the cache is compacted and the freed pages return to the pool.
-- `append_scores` as a chunk is appended: a per-token score stored in `slot_score` (Locret's heads),
-  computed with the arrays `device_params` returns (passed to the jitted step as an argument).
-- `select_pages` before each decode attention (Quest): which logical pages each head reads.
-- `decode_scores` after each decode step (methods with `evicts_while_decoding`): a head over its
-  decode budget drops its lowest-scoring slot.
+- **compress** (`compress_layer`, so `compresses`): after prefill, choose which slots each (sequence,
+  kv-head) keeps; the cache is compacted and the freed pages return to the pool. Inputs: the last
+  `window_size` prompt queries (SnapKV), every query's attention added to `slot_score`
+  (`accumulates_attention`, H2O), and with a `chunks` schedule (Locret) it runs after every prefill
+  chunk instead, on per-token scores stored as tokens are appended.
+- **select** (`select_pages`, so `selects_pages`): before each decode attention, which logical pages
+  each head reads (Quest).
+- **evict while decoding** (`decode_scores`, so `evicts_while_decoding`): after each decode step, a
+  head holding more than `decode_budget` slots drops its lowest-scoring one.
 
-What a policy may read is a `LayerView`. The base class keeps everything, so it is the full cache.
+Every hook reads a `LayerView`. The base class defines none of them: it is the full cache. Wrappers
+(`Compose`, `AdaKV`) hold other policies and forward the roles they take from them.
 
 The steps scan over layers, so the hooks get the layer index as a traced int32 scalar: index arrays with
 it, compute with it (PyramidKV's budget), but do not branch on it in Python. What differs per layer at
@@ -22,9 +25,11 @@ ints; the steps group alike layers into segments by them.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Callable, ClassVar, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 POLICY_REGISTRY: dict[str, type["Policy"]] = {}
 
@@ -42,46 +47,74 @@ def register_policy(name: str) -> Callable[[type], type]:
     return wrap
 
 
-class LayerView(NamedTuple):
-    """One layer's cache as a policy sees it. B sequences, H kv heads, S = slots in the table, G = group.
+class ChunkSchedule(NamedTuple):
+    """Compression after every prefill chunk (Locret), instead of once after prefill: the policy's
+    `compress_layer` runs after each chunk (`LayerView.final_chunk` says which chunk is a sequence's
+    last), the pool holds what a head keeps plus a chunk rather than the prompt, and the last `tail`
+    prompt tokens are appended afterwards without eviction. Each prefill token's `slot_score` is
+    `score(layer, inputs, params)`, `f32[B, C, H]` from the layer's `AttentionInputs`, where `params`
+    (a pytree of arrays, e.g. retaining heads) reaches the jitted step as an argument, never baked in."""
 
-    At compress time `window_q`/`window_pos` hold the last `window_size` prompt queries (post-RoPE) of
-    each sequence; at decode time `probs` holds the step's attention probabilities.
+    tail: int  # last prompt tokens appended without eviction (Locret's n_loc)
+    score: Callable[[Any, Any, Any], jax.Array]
+    params: Any = None
+
+
+class LayerView(NamedTuple):
+    """One layer's cache as a policy sees it. B sequences, H kv heads, Hq = H * G query heads, S = slots
+    in the table, N = pages in the pool, P = logical pages read. A step fills what the hook reads:
+
+    - compress: slots (`k` .. `slot_score`), `window_q`/`window_pos` (the last `window_size` prompt
+      queries, post-RoPE), `final_chunk` with a chunk schedule;
+    - select: the decode query `q` and the layer's page metadata (`page_table`, `kmin`, `kmax`);
+    - evict while decoding: slots, and the step's attention as `q` with the kernel's row max and sum
+      (`probs` rebuilds the probabilities from them) over the slots it `read`.
     """
 
     layer: Any  # int32 scalar, traced inside the steps' scan over layers
     num_layers: int
-    k: jax.Array  # [B, H, S, D] keys after RoPE, in slot order
-    slot_pos: jax.Array  # int32[B, H, S] original positions, -1 when empty
-    valid: jax.Array  # bool[B, H, S] slot < length
-    slot_score: jax.Array  # f32[B, H, S]
     lengths: jax.Array  # int32[B, H]
-    next_position: jax.Array  # int32[B] tokens seen so far (the prompt length at compress time)
+    next_position: Any = None  # int32[B] tokens seen so far (the prompt length at compress time)
+    k: Any = None  # [B, H, S, D] keys after RoPE, in slot order
+    slot_pos: Any = None  # int32[B, H, S] original positions, -1 when empty
+    valid: Any = None  # bool[B, H, S] slot < length
+    slot_score: Any = None  # f32[B, H, S]
     window_q: Any = None  # [B, w, Hq, D]
     window_pos: Any = None  # int32[B, w], -1 for rows before the prompt start
-    probs: Any = None  # f32[B, H, G, S] decode attention of the step's query
     final_chunk: Any = None  # bool[B] per-chunk compression: this is each sequence's last prefill chunk
+    q: Any = None  # [B, Hq, D] the decode step's query (post-RoPE)
+    row_max: Any = None  # f32[B, Hq] the decode attention's row max of the scaled logits
+    row_sum: Any = None  # f32[B, Hq] and its row sum: p = exp(q.k / sqrt(D) - row_max) / row_sum
+    read: Any = None  # bool[B, H, G, S] slots the decode attention read (None: every valid slot)
+    page_table: Any = None  # int32[B, H, P] physical page of each logical page read, -1 unallocated
+    kmin: Any = None  # [N, D] per-page elementwise key min (+inf when empty)
+    kmax: Any = None  # [N, D] and max (-inf when empty)
+    page_size: int = 0
+
+    @property
+    def probs(self) -> jax.Array:
+        """f32[B, H, G, S]: the decode step's attention probabilities over the slots it read (0 elsewhere),
+        rebuilt from the kernel's row statistics with one pass over the keys: exp(q.k / sqrt(D) - m) / l."""
+        B, H, S, D = self.k.shape
+        q = (self.q.astype(jnp.float32) * D**-0.5).reshape(B, H, -1, D)  # scaled as the kernels scale it
+        logits = jnp.einsum("bhgd,bhsd->bhgs", q, self.k.astype(jnp.float32))
+        m, l = (x.reshape(B, H, -1)[..., None] for x in (self.row_max, self.row_sum))
+        read = self.valid[:, :, None] if self.read is None else self.read & self.valid[:, :, None]
+        return jnp.where(read, jnp.exp(jnp.minimum(logits - m, 0.0)) / l, 0.0)
+
+
+def _defines(policy: "Policy", hook: str) -> bool:
+    return getattr(type(policy), hook) is not getattr(Policy, hook)
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Keep every slot; read every page. Subclasses override hooks and capabilities."""
+    """Keep every slot; read every page. A method defines the hooks of its roles (module docstring)."""
 
     name: ClassVar[str] = "full"
     dense_layers: int = 0  # the first N layers stay uncompressed
 
-    # ---- capabilities (static)
-    compresses: ClassVar[bool] = False  # compress_layer after prefill
-    evicts_while_decoding: ClassVar[bool] = False  # decode_scores after each decode step
-    accumulates_attention: ClassVar[bool] = False  # add attention probabilities into slot_score (H2O)
-    compresses_each_chunk: ClassVar[bool] = False  # compress after every prefill chunk (Locret): the pool
-    #   is sized from `slots_needed`, so memory stays O(budget + chunk)
-
-    @property
-    def window_size(self) -> int:
-        """Trailing prompt queries `compress_layer` needs (0: none)."""
-        return 0
-
+    # ---- every policy (host side, static)
     def validate(self, page_size: int) -> None:
         """Raise ValueError naming a bad field. Called before any work."""
         if self.dense_layers < 0:
@@ -91,45 +124,72 @@ class Policy:
         """Most slots one (layer, head) holds at once during a request (sizes the cache before work)."""
         return prompt_len + max_new_tokens
 
+    def compresses_layer(self, layer: int) -> bool:
+        """Whether compression and decode-time eviction apply to `layer` (static)."""
+        return layer >= self.dense_layers
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "Policy":
+        """The policy `make_policy(name, **options)` builds: the dataclass's fields by default; a wrapper
+        may build its parts from the options (`AdaKV`)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise ValueError(
+                f"policy {cls.name!r} has no option(s) {', '.join(unknown)}; options: {', '.join(sorted(fields))}"
+            )
+        return cls(**options)
+
+    @classmethod
+    def option_types(cls, options: dict[str, str]) -> dict[str, Any]:
+        """Option name -> type, for reading `options` given as text (the command line's KEY=VALUE)."""
+        hints = typing.get_type_hints(cls)
+        return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
+
+    # ---- compress (after prefill, or after every chunk with a `chunks` schedule)
+    accumulates_attention: ClassVar[bool] = False  # every query's attention is added to slot_score (H2O)
+
+    @property
+    def compresses(self) -> bool:
+        return _defines(self, "compress_layer")
+
+    @property
+    def window_size(self) -> int:
+        """Trailing prompt queries `compress_layer` reads (0: none)."""
+        return 0
+
+    @property
+    def chunks(self) -> ChunkSchedule | None:
+        """Compress after every prefill chunk (Locret), or None: once, after prefill."""
+        return None
+
     def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
         """Most slots one head keeps after `compress_layer` for a prompt of `prompt_len` (static)."""
         return prompt_len
 
-    def decode_budget(self, prompt_len: int) -> int:
-        """Slots a head may hold while decoding before `decode_scores` evicts (evicting policies)."""
-        return prompt_len
-
-    def compresses_layer(self, layer: int) -> bool:
-        """Whether `compress_layer` (and `append_scores`, decode-time eviction) applies to `layer` (static)."""
-        return layer >= self.dense_layers
-
-    def selects_pages(self, layer: int) -> bool:
-        """Whether `select_pages` runs in `layer` at decode (static). By default: in every layer, when the
-        class defines `select_pages` (a None from it still means "read every page")."""
-        return type(self).select_pages is not Policy.select_pages
-
-    def prefill_tail(self, prompt_len: int) -> int:
-        """Last prompt tokens appended after the per-chunk compressions, without eviction (Locret's n_loc)."""
-        return 0
-
-    def device_params(self) -> Any:
-        """Arrays the hooks need (a pytree, or None), passed to the jitted step as an argument."""
-        return None
-
-    # ---- hooks (called under jit)
     def compress_layer(self, view: LayerView, keep_bound: int) -> tuple[jax.Array, jax.Array]:
         """(keep_slots int32[B, H, keep_bound], keep_count int32[B, H]) for one layer."""
         raise NotImplementedError
 
-    def append_scores(self, layer, inputs: Any, params: Any) -> Any:
-        """f32[B, C, H] scores of the chunk's tokens, stored in `slot_score` as they are appended (or None).
-        `inputs` is the layer's `AttentionInputs`, `params` what `device_params` returned; `layer` traced."""
-        return None
+    # ---- select pages at decode
+    def selects_pages(self, layer: int) -> bool:
+        """Whether `select_pages` runs in `layer` at decode (static): where the class defines it."""
+        return _defines(self, "select_pages")
 
-    def select_pages(self, layer, q: jax.Array, state: Any) -> Any:
-        """Logical pages each head reads at a decode step, `int32[B, Hq or H, K]` (-1 = none), or None for all.
-        Called only in layers where `selects_pages(layer)`; `layer` traced."""
-        return None
+    def select_pages(self, view: LayerView) -> Any:
+        """Logical pages each head reads at a decode step, `int32[B, Hq or H, K]` (-1 = none; the current
+        page is always read besides), or None for all. Reads `view.q` and the page metadata."""
+        raise NotImplementedError
+
+    # ---- evict while decoding
+    @property
+    def evicts_while_decoding(self) -> bool:
+        return _defines(self, "decode_scores")
+
+    @property
+    def decode_budget(self) -> int:
+        """Slots a compressed head holds while decoding: past it, `decode_scores` picks the slot to drop."""
+        return getattr(self, "token_budget")
 
     def decode_scores(self, view: LayerView) -> jax.Array:
         """f32[B, H, S]: after a decode step, a head over budget drops its lowest-scoring valid slot."""
@@ -147,8 +207,4 @@ def make_policy(name: str = "full", **options: Any) -> Policy:
     cls = POLICY_REGISTRY.get(name)
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; registered: {', '.join(sorted(POLICY_REGISTRY))}")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(f"policy {name!r} has no option(s) {', '.join(unknown)}; options: {', '.join(sorted(fields))}")
-    return cls(**options)
+    return cls.from_options(**options)

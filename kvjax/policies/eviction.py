@@ -32,7 +32,6 @@ class ScoredEviction(Policy):
     """Keep, per (sequence, kv-head), the `head_budgets` highest-`scores` slots of the prompt."""
 
     token_budget: int = 128
-    compresses = True
 
     def validate(self, page_size: int) -> None:
         super().validate(page_size)
@@ -40,9 +39,6 @@ class ScoredEviction(Policy):
 
     def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
         return min(prompt_len, self.token_budget)
-
-    def decode_budget(self, prompt_len: int) -> int:
-        return self.token_budget
 
     def scores(self, view: LayerView) -> jax.Array:
         """f32[B, H, S], higher = keep; -inf where a slot is invalid."""

@@ -4,6 +4,9 @@ Every query's attention probabilities are summed into each slot's score (over th
 prefill a head keeps its top (token_budget - recent_size) slots plus the recent ones; while decoding a
 head over budget drops its lowest-scoring slot outside the recent window. recent_size defaults to half
 the budget (the paper's equal heavy/recent split).
+
+Fields (defaults; the paper's in brackets): `token_budget` 128 [20% of the sequence], `recent_size`
+None = token_budget // 2 [half the budget], `dense_layers` 0.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from kvjax.policies.eviction import ScoredEviction, _check_budget, recent
 class H2O(ScoredEviction):
     recent_size: int | None = None
     accumulates_attention = True
-    evicts_while_decoding = True
 
     @property
     def recent(self) -> int:

@@ -12,9 +12,11 @@ and the pool is sized for that, not for the prompt.
 other policies. Keys stay post-RoPE at their original positions; unlike the authors' code, kept keys are
 not re-rotated to compacted positions.
 
-`heads` is a `RetainingHeads`, a path (`save_heads` directory or `.safetensors` export), or a parameter
-dict. The policy holds it by identity (hashable, static under jit); the arrays reach the jitted step as
-an argument (`device_params`), so they are never baked into the compiled program.
+Fields (defaults; the paper's for Llama-3.1-8B in brackets): `token_budget` 128 [16384], `stabilizers`
+32 [2500], `local_tail` 16 [100], `heads` (required): a `RetainingHeads`, a path (`save_heads` directory
+or `.safetensors` export) or a parameter dict. The heads are data, not part of the policy's identity:
+they reach the jitted step as an argument (the `chunks` schedule's params), so two policies that differ
+only in their heads share compiled steps and nothing is baked into a program.
 """
 
 from __future__ import annotations
@@ -26,12 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import LayerView, Policy, register_policy
+from kvjax.policies.base import ChunkSchedule, LayerView, Policy, register_policy
 from kvjax.policies.eviction import NEG, keep_top, recent
-
-# parameter dicts given directly, wrapped once each (the dict is kept alive so its id stays unique)
-_WRAPPED: dict[int, tuple[dict, Any]] = {}
-
 
 def _as_heads(heads):
     from kvjax.locret.heads import RetainingHeads, load_heads
@@ -41,9 +39,7 @@ def _as_heads(heads):
     if isinstance(heads, (str, os.PathLike)):
         return load_heads(heads)
     if isinstance(heads, dict):
-        if id(heads) not in _WRAPPED:
-            _WRAPPED[id(heads)] = (heads, RetainingHeads(None, heads))
-        return _WRAPPED[id(heads)][1]
+        return RetainingHeads(None, heads)
     raise TypeError(
         "locret: heads= must be RetainingHeads, a path to saved heads, or a parameter dict; "
         f"got {type(heads).__name__}"
@@ -56,14 +52,14 @@ class Locret(Policy):
     token_budget: int = 128  # slots a head keeps after prefill, local_tail included
     stabilizers: int = 32  # n_s: the newest slots kept at each non-final chunk
     local_tail: int = 16  # n_loc: last prompt tokens appended without eviction
-    heads: Any = None
-    compresses = True
-    compresses_each_chunk = True
+    heads: Any = dataclasses.field(default=None, compare=False)  # data: never part of the identity
 
     def __post_init__(self):
         if self.heads is None:
             raise ValueError("locret: heads= is required (RetainingHeads, a path to saved heads, or a parameter dict)")
-        object.__setattr__(self, "heads", _as_heads(self.heads))
+        heads = _as_heads(self.heads)
+        heads.stacked  # stacked once, here on the host, never inside a traced step
+        object.__setattr__(self, "heads", heads)
 
     @property
     def evict_budget(self) -> int:
@@ -90,21 +86,9 @@ class Locret(Policy):
     def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
         return min(prompt_len, self.evict_budget)
 
-    def decode_budget(self, prompt_len: int) -> int:
-        return self.token_budget
-
-    def prefill_tail(self, prompt_len: int) -> int:
-        return min(self.local_tail, prompt_len)
-
-    def device_params(self):
-        return self.heads.stacked  # [L, ...] leaves, stacked once per heads object
-
-    def append_scores(self, layer, inputs, params) -> jax.Array | None:
-        if inputs.q.shape[1] == 1:  # decoding evicts nothing: no score needed
-            return None
-        from kvjax.locret.heads import retaining_scores, stacked_layer
-
-        return retaining_scores(stacked_layer(params, layer), inputs.q_pre, inputs.k_pre, inputs.v)
+    @property
+    def chunks(self) -> ChunkSchedule:
+        return ChunkSchedule(tail=self.local_tail, score=_retaining_scores, params=self.heads.stacked)
 
     def compress_layer(self, view: LayerView, keep_bound: int):
         final = jnp.ones(view.lengths.shape[:1], bool) if view.final_chunk is None else view.final_chunk
@@ -112,3 +96,10 @@ class Locret(Policy):
         scores = jnp.where(stable, jnp.inf, view.slot_score)
         scores = jnp.where(view.valid, scores, NEG)
         return keep_top(scores, jnp.minimum(self.evict_budget, view.lengths), keep_bound)
+
+
+def _retaining_scores(layer, inputs, params) -> jax.Array:
+    """f32[B, C, H]: the layer's retaining head on each appended token's pre-RoPE q, k and v."""
+    from kvjax.locret.heads import retaining_scores, stacked_layer
+
+    return retaining_scores(stacked_layer(params, layer), inputs.q_pre, inputs.k_pre, inputs.v)

@@ -6,7 +6,6 @@ read as the field's type raises `ValueError` naming the policy, the option and t
 
 from __future__ import annotations
 
-import dataclasses
 import types
 import typing
 from typing import Any, Iterable
@@ -53,21 +52,24 @@ def parse_value(text: str, annotation: Any) -> Any:
 
 
 def parse_policy_options(name: str, pairs: Iterable[str]) -> dict[str, Any]:
-    """`["KEY=VALUE", ...]` -> options for `make_policy(name, **options)`, each parsed by its field's type."""
+    """`["KEY=VALUE", ...]` -> options for `make_policy(name, **options)`, each parsed by its option's type
+    (`Policy.option_types`: the dataclass fields, or a wrapper's and its parts')."""
     cls = POLICY_REGISTRY.get(name)
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; registered: {', '.join(sorted(POLICY_REGISTRY))}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    options = {}
+    raw = {}
     for pair in pairs:
         if "=" not in pair:
             raise ValueError(f"policy option {pair!r} must be KEY=VALUE")
         key, value = (part.strip() for part in pair.split("=", 1))
-        if key not in fields:
-            raise ValueError(f"policy {name!r} has no option {key!r}; options: {', '.join(sorted(fields))}")
+        raw[key] = value
+    types = cls.option_types(raw)
+    options = {}
+    for key, value in raw.items():
+        if key not in types:
+            raise ValueError(f"policy {name!r} has no option {key!r}; options: {', '.join(sorted(types))}")
         try:
-            options[key] = parse_value(value, hints.get(key, Any))
+            options[key] = parse_value(value, types[key])
         except ValueError as error:
             raise ValueError(f"policy {name!r} option {key}={value!r}: expected {error}") from None
     return options

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvjax.policies.base import Policy
+from kvjax.policies.base import LayerView, Policy
 from kvjax.policies.compose import Compose
 from kvjax.policies.quest_adaptive import selected_page_counts
 
@@ -60,8 +60,8 @@ class CountingSelect(Policy):
     def selects_pages(self, layer: int) -> bool:
         return self.inner.selects_pages(layer)
 
-    def select_pages(self, layer, q, state):
-        selected = self.inner.select_pages(layer, q, state)
+    def select_pages(self, view: LayerView):
+        selected = self.inner.select_pages(view)
         if selected is not None:
             jax.debug.callback(self.tally.add, selected_page_counts(selected))
         return selected

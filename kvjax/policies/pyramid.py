@@ -4,6 +4,9 @@ With B' = token_budget - window: min = B' // beta, max = 2 B' - min (beta = 20);
 max - l * ((max - min) // (L - 1)) prefix slots plus the window, clamped to the prompt (the authors'
 integer arithmetic). Slots are scored as in SnapKV. Ada-Pyramid splits each layer's budget across heads
 as Ada-SnapKV does.
+
+Fields (defaults; the paper's in brackets): SnapKV's (`token_budget` 128, `window` 32 [32], `kernel_size`
+7 [7], `pooling` "max"), `beta` 20 [20]; Ada-Pyramid adds Ada-KV's `alpha` 0.5 and `form` "paper".
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ top (token_budget / page_size - 1) scored pages plus its current (newest, partia
 read and never scored. Layers below `dense_layers` (2, as in the paper) and prefill stay dense.
 Selection is per query head by default (Quest's simulation repeats kv heads); `per_kv_head=True` makes
 one selection per kv head from the max over its query group.
+
+Fields (defaults; the paper's in brackets): `token_budget` 64 [its sweep: 256 to 4096], slots a decode
+step reads per head; `page_size` None, the cache's [16]; `dense_layers` 2 [2]; `per_kv_head` False.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import dataclasses
 
 import jax
 
-from kvjax.policies.base import Policy, register_policy
+from kvjax.policies.base import LayerView, Policy, register_policy
 
 
 @register_policy("quest")
@@ -46,15 +49,18 @@ class Quest(Policy):
     def selects_pages(self, layer: int) -> bool:
         return layer >= self.dense_layers
 
-    def select_pages(self, layer, q: jax.Array, state) -> jax.Array:
-        """q `[B, Hq, D]` -> logical pages `int32[B, Hq or H, K]` (-1 = none); the step calls it only where
-        `selects_pages` (past the dense layers)."""
+    def page_bounds(self, view: LayerView) -> jax.Array:
+        """Quest's bound of q.k per logical page, `f32[B, Hq or H, P]`; -inf for the current page and pages
+        past the length."""
         from kvjax import pallas_kernels
 
-        P = state.layer_read_pages(layer)
-        table = state.page_table[layer, :, :, :P]
-        scores = pallas_kernels.quest_page_scores(
-            q, state.kmin, state.kmax, table, state.lengths[layer], page_size=state.page_size,
+        return pallas_kernels.quest_page_scores(
+            view.q, view.kmin, view.kmax, view.page_table, view.lengths, page_size=view.page_size,
             per_kv_head=self.per_kv_head,
         )
-        return pallas_kernels.select_top_pages(scores, self.pages_to_select(state.page_size))
+
+    def select_pages(self, view: LayerView) -> jax.Array:
+        """Logical pages `int32[B, Hq or H, K]` (-1 = none): each head's top K = token_budget // ps - 1."""
+        from kvjax import pallas_kernels
+
+        return pallas_kernels.select_top_pages(self.page_bounds(view), self.pages_to_select(view.page_size))

@@ -25,7 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import register_policy
+from kvjax.policies.base import LayerView, register_policy
 from kvjax.policies.quest import Quest
 
 
@@ -70,14 +70,7 @@ class QuestAdaptive(Quest):
                 f"{self.pages_to_select(page_size)}], got {self.min_pages}"
             )
 
-    def select_pages(self, layer, q: jax.Array, state) -> jax.Array:
-        """q `[B, Hq, D]` -> logical pages `int32[B, Hq or H, K]` (-1 = none), K = token_budget // ps - 1."""
-        from kvjax import pallas_kernels
-
-        P = state.layer_read_pages(layer)
-        scores = pallas_kernels.quest_page_scores(
-            q, state.kmin, state.kmax, state.page_table[layer, :, :, :P], state.lengths[layer],
-            page_size=state.page_size, per_kv_head=self.per_kv_head,
-        )
-        cap = self.pages_to_select(state.page_size)
-        return top_p_pages(scores, q.shape[-1] ** -0.5, self.top_p, self.min_pages, cap)
+    def select_pages(self, view: LayerView) -> jax.Array:
+        """Logical pages `int32[B, Hq or H, K]` (-1 = none), K = token_budget // ps - 1."""
+        cap = self.pages_to_select(view.page_size)
+        return top_p_pages(self.page_bounds(view), view.q.shape[-1] ** -0.5, self.top_p, self.min_pages, cap)

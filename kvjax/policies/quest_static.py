@@ -6,6 +6,9 @@ After prefill, each kv head keeps the pages that Quest's score ranks highest for
 (`generate(decode_last=...)`) can only read what was chosen without them. Comparing it with `quest`,
 which re-selects pages with every decode query, tells whether query-aware selection is what keeps
 accuracy (Quest's claim), or whether any reasonable page choice would.
+
+Fields (defaults): `token_budget` 64 (slots kept per head, whole pages), `page_size` 16 (the cache's),
+`dense_layers` 0.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 Scores: softmax of the window's queries over all keys, averaged over the window, GQA reduced by the mean
 over the group, pooled along the sequence (max, kernel 7; kvpress uses avg, kernel 5 and window 64).
 Keeps the top (token_budget - window) prefix slots plus the window itself.
+
+Fields (defaults; the paper's in brackets): `token_budget` 128 [its sweep: 1024 to 4096], `window` 32
+[32], `kernel_size` 7 [7], `pooling` "max" ["max"; kvpress: "avg", 5, window 64], `dense_layers` 0.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """StreamingLLM (Xiao et al., 2024): attention sinks plus a window of the most recent tokens.
 
 Keeps the first `sink_size` positions (4) and the newest token_budget - sink_size; while decoding, the
-oldest non-sink slot goes when a head is over budget.
+oldest non-sink slot goes when a head is over budget. Reads positions only.
+
+Fields (defaults; the paper's in brackets): `token_budget` 128 [cache sizes 256 to 4096], `sink_size` 4
+[4], `dense_layers` 0.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from kvjax.policies.eviction import ScoredEviction, _check_budget
 @dataclasses.dataclass(frozen=True)
 class StreamingLLM(ScoredEviction):
     sink_size: int = 4
-    evicts_while_decoding = True
 
     def validate(self, page_size: int) -> None:
         super().validate(page_size)

@@ -4,6 +4,8 @@ After prefill: the last prompt query's attention, averaged over every query head
 each slot; the last token itself is always kept (as kvpress does). While decoding: each step's query
 scores the slots the same way and a layer over budget drops the minimum. Every kv head of a layer keeps
 the same positions.
+
+Fields (defaults; the paper's in brackets): `token_budget` 128 [its sweep: 64 to 4096], `dense_layers` 0.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ def _head_average(probs):  # [B, H, G, S] -> [B, H, S], the same row for every k
 @register_policy("tova")
 @dataclasses.dataclass(frozen=True)
 class TOVA(ScoredEviction):
-    evicts_while_decoding = True
-
     @property
     def window_size(self) -> int:
         return 1
