@@ -48,6 +48,7 @@ def cmd_generate(args) -> int:
     tokens = kvjax.generate(
         model, [ids], args.max_new_tokens, policy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, page_size=args.page_size, chunk_size=args.chunk_size, decode_last=args.decode_last,
+        allow_longer_context=args.allow_longer_context, progress=not args.json,
     )[0]
     finished = time.perf_counter()
     new_ids = [int(t) for t in tokens if t >= 0]
@@ -137,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", help="file holding the prompt text")
+    gen.add_argument("--allow-longer-context", action="store_true",
+                     help="run a prompt longer than the model's context (max_position_embeddings) instead of refusing it")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template (instruct models)")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--policy", default="full", help="cache policy name (kvjax.make_policy)")

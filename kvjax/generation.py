@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from kvjax.attention import dense_causal_attention
 from kvjax.config import ModelConfig
@@ -112,6 +113,17 @@ def _warn_sliding_window(cfg: ModelConfig, length: int) -> None:
         )
 
 
+def check_context(cfg: ModelConfig, longest_prompt: int, max_new_tokens: int, allow_longer_context: bool) -> None:
+    """Refuse, before any work, a request longer than the model's context (`max_position_embeddings`)."""
+    needed = longest_prompt + max_new_tokens
+    if needed > cfg.max_position_embeddings and not allow_longer_context:
+        raise ValueError(
+            f"the longest prompt ({longest_prompt} tokens) plus max_new_tokens ({max_new_tokens}) needs {needed} "
+            f"positions but the model's context is {cfg.max_position_embeddings} (max_position_embeddings); pass "
+            "allow_longer_context=True to run past it anyway"
+        )
+
+
 def policy_or_full(policy: Policy | None) -> Policy:
     if policy is None:
         return FullPolicy()
@@ -144,10 +156,12 @@ def prefill_rows(
     declared_length: int,
     reserve_tokens: int,
     backend: StepBackend | None = None,
+    progress: bool = False,
 ) -> tuple[KVState, jax.Array]:
     """Chunked prefill of validated token rows on `backend` (default: one device, `LOCAL_BACKEND`), with
     `capacity` tokens per (layer, head), LongRoPE decided from `declared_length`, and room for
-    `reserve_tokens` more tokens after compression. Returns `(state, logits f32[B, V])`."""
+    `reserve_tokens` more tokens after compression. `progress` shows a bar over the chunks of a prompt of
+    several chunks. Returns `(state, logits f32[B, V])`."""
     backend = backend or LOCAL_BACKEND
     cfg = model.cfg
     policy.validate(page_size)
@@ -160,8 +174,9 @@ def prefill_rows(
 
     # Per-chunk compressors (Locret) compress after every chunk and append a tail without eviction; their
     # compressed layers get pages for what they can hold at once (slots_needed), not for the prompt.
-    per_chunk = policy.compresses and policy.compresses_each_chunk
-    tails = np.array([policy.prefill_tail(int(n)) if per_chunk else 0 for n in lengths], np.int32)
+    chunks = policy.chunks if policy.compresses else None
+    per_chunk = chunks is not None
+    tails = np.array([min(chunks.tail, int(n)) if per_chunk else 0 for n in lengths], np.int32)
     num_pages = read_bound = None
     if per_chunk:
         full = pages_for(capacity, page_size)
@@ -172,7 +187,7 @@ def prefill_rows(
         cfg, B, capacity, page_size, num_pages, model.dtype, uses_long_factors(cfg, declared_length), read_bound
     )
     keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths - tails)
-    policy_params = policy.device_params()
+    policy_params = chunks.params if per_chunk else None
 
     def run_chunks(state, window, logits, part: list, compress: bool):
         part_len = np.array([len(r) for r in part], np.int32)
@@ -182,7 +197,8 @@ def prefill_rows(
         for i, row in enumerate(part):
             padded[i, : len(row)] = row
         last_chunk = -(-part_len // C) - 1
-        for i in range(num_chunks):
+        for i in tqdm(range(num_chunks), desc="prefill", unit="chunk", disable=not progress or num_chunks < 2,
+                      leave=False):
             num_new = np.clip(part_len - i * C, 0, C).astype(np.int32)
             state, window, logits = backend.append_step(
                 model.params, state, window, backend.put(padded[:, i * C : (i + 1) * C]), backend.put(num_new),
@@ -221,22 +237,26 @@ def prefill(
     capacity: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     max_new_tokens: int = 256,
+    allow_longer_context: bool = False,
+    progress: bool = False,
 ) -> tuple[KVState, jax.Array]:
     """Chunked prefill of `prompt_ids` (int `[B, T]` or ragged token lists) into a new paged state.
 
     Returns `(state, logits f32[B, V])`: logits at each prompt's last token. `capacity` (tokens per layer and
     head) defaults to the longest prompt plus `max_new_tokens`, the room left for `decode_step`; an explicit
-    capacity need only hold the prompts (decode raises `CacheCapacityError` when it fills up).
+    capacity need only hold the prompts (decode raises `CacheCapacityError` when it fills up). A prompt past
+    the model's context is refused unless `allow_longer_context`; `progress` shows a bar over the chunks.
     """
     policy = policy_or_full(policy)
     rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
     longest = max(len(r) for r in rows)
+    check_context(model.cfg, longest, 0, allow_longer_context)
     if capacity is None:
         # LongRoPE decides from the declared length, not from the bucketed capacity
         declared, reserve, capacity = longest + max_new_tokens, max_new_tokens, bucketed(longest + max_new_tokens)
     else:
         declared, reserve = capacity, 0
-    return prefill_rows(model, rows, policy, page_size, capacity, chunk_size, declared, reserve)
+    return prefill_rows(model, rows, policy, page_size, capacity, chunk_size, declared, reserve, progress=progress)
 
 
 def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None = None) -> tuple[jax.Array, KVState]:
@@ -265,7 +285,7 @@ def _decode(
     B = tokens.shape[0]
     state, _, logits = backend.append_step(
         model.params, state, None, backend.put(tokens[:, None]), backend.put(jnp.ones((B,), jnp.int32)),
-        backend.put(jnp.zeros((B, model.cfg.vocab_size), jnp.float32)), policy.device_params(), cfg=model.cfg,
+        backend.put(jnp.zeros((B, model.cfg.vocab_size), jnp.float32)), None, cfg=model.cfg,
         dtype=model.dtype, policy=policy,
     )
     return logits, state
@@ -287,6 +307,8 @@ def generate(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     eos_token_id: int | Sequence[int] | None = None,
     return_logprobs: bool = False,
+    allow_longer_context: bool = False,
+    progress: bool = False,
 ):
     """Generate up to `max_new_tokens` per prompt. Returns `int32[B, max_new_tokens]`, -1 after a sequence's
     EOS (the EOS token itself is kept), and with `return_logprobs=True` also `f32[B, max_new_tokens]` (the
@@ -294,19 +316,22 @@ def generate(
 
     `decode_last=N` prefills all but the last N prompt tokens and feeds those N one at a time as decode
     steps (Quest's protocol: the question arrives after compression). `eos_token_id` defaults to the model's.
+    A request past the model's context (prompt plus `max_new_tokens`) is refused before any work unless
+    `allow_longer_context`; `progress` shows a bar over the prefill chunks.
     """
     rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
+    check_context(model.cfg, max(len(r) for r in rows), max_new_tokens, allow_longer_context)
     return generate_rows(
         model, rows, max_new_tokens, policy, decode_last=decode_last, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, page_size=page_size, capacity=capacity, chunk_size=chunk_size,
-        eos_token_id=eos_token_id, return_logprobs=return_logprobs,
+        eos_token_id=eos_token_id, return_logprobs=return_logprobs, progress=progress,
     )
 
 
 def generate_rows(
     model: Model, rows: list[np.ndarray], max_new_tokens: int, policy: Policy | None, *, decode_last: int,
     temperature: float, top_k: int, top_p: float, seed: int, page_size: int, capacity: int | None, chunk_size: int,
-    eos_token_id, return_logprobs: bool, backend: StepBackend | None = None,
+    eos_token_id, return_logprobs: bool, backend: StepBackend | None = None, progress: bool = False,
 ):
     """`generate` on validated token rows, with the state on `backend` (one device by default, or a mesh)."""
     backend = backend or LOCAL_BACKEND
@@ -323,7 +348,7 @@ def generate_rows(
 
     state, logits = prefill_rows(
         model, [r[: len(r) - decode_last] for r in rows], policy, page_size, capacity, chunk_size, needed,
-        max_new_tokens + decode_last, backend,
+        max_new_tokens + decode_last, backend, progress,
     )
     for j in range(decode_last):
         step_tokens = jnp.asarray([r[len(r) - decode_last + j] for r in rows], jnp.int32)

@@ -126,3 +126,43 @@ def test_cli_generate_json(tmp_path):
 def test_cli_reports_bad_input(capsys):
     assert cli_main(["generate", "--model", "/nonexistent/model", "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, message", [
+    ("token_budget=abc", "option token_budget='abc': expected int"),
+    ("budget=3", "policy 'quest' has no option 'budget'"),
+    ("per_kv_head=maybe", "option per_kv_head='maybe': expected bool"),
+    ("token_budget", "must be KEY=VALUE"),
+])
+def test_cli_parses_policy_options_by_field_type(capsys, option, message):
+    argv = ["generate", "--prompt", "x", "--policy", "quest", "--policy-option", option]
+    assert cli_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_policy_options_take_the_field_types():
+    from kvjax.policies.options import parse_policy_options
+
+    options = parse_policy_options("quest", ["token_budget=96", "per_kv_head=true", "page_size=none"])
+    assert options == {"token_budget": 96, "per_kv_head": True, "page_size": None}
+    assert kvjax.make_policy("quest", **options).token_budget == 96
+
+
+def test_prompt_past_the_context_is_refused_before_work():
+    model = kvjax.load_model(shipped_model_dir())
+    limit = model.cfg.max_position_embeddings
+    with pytest.raises(ValueError, match=f"model's context is {limit}.*allow_longer_context=True"):
+        kvjax.generate(model, [[5] * (limit + 10)], max_new_tokens=4)
+    with pytest.raises(ValueError, match="allow_longer_context"):
+        kvjax.prefill(model, [[5] * (limit + 1)])
+    with pytest.raises(ValueError, match="plus max_new_tokens"):
+        kvjax.generate(model, [[5] * (limit - 2)], max_new_tokens=8)
+
+
+def test_truncated_safetensors_is_named(tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(shipped_model_dir(), copy)
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(kvjax.CheckpointError, match="model.safetensors"):
+        kvjax.load_model(copy)
