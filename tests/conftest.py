@@ -121,3 +121,14 @@ def hf_models(tmp_path_factory):
 
 def random_tokens(seed: int, shape, vocab: int = VOCAB) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=shape).astype(np.int32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Drop JAX's compiled programs after each test module. Every policy, shape and model compiles its own
+    steps; kept for the whole run they exhaust the process's memory maps (vm.max_map_count, 65530 by
+    default) and LLVM then crashes the process mid-suite."""
+    yield
+    import jax
+
+    jax.clear_caches()
