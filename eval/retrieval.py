@@ -2,8 +2,8 @@
 real-text passkey and RULER needles for real models (`kvjax.tasks.needles`).
 
 Protocol (Quest's passkey evaluation): the context is prefilled densely (the policy compresses it, if it
-compresses), then the question is fed **token by token through decode** (`generate(decode_last=len(question))`),
-so a method that chooses what to keep before the question arrives cannot know what will be asked. The
+compresses), then the question is fed **token by token through decode** (`kvjax.generation.continue_rows`,
+each row its own question), so a method that chooses what to keep before the question arrives cannot know what will be asked. The
 answer is greedy, as many tokens as the task's answers have digits; a sample is correct when the first
 integer of the generated text equals the answer.
 
@@ -13,6 +13,9 @@ integer of the generated text equals the answer.
 Real-text tasks (`REAL_TASKS`: real_passkey, niah_single, niah_multikey, niah_multivalue) are scored as their
 papers do: Quest's first-integer match for the passkey, RULER's string_match_all for the needles (a
 multi-value sample scores the share of its values found).
+
+`answer_shared` answers one batch under many policies with one full prefill (`kvjax.shared_prefill`): each
+policy that compresses after prefill is derived from a copy of that state, equal to its own prefill.
 """
 
 from __future__ import annotations
@@ -73,30 +76,15 @@ def score_text(text: str, answer: str) -> tuple[str | None, bool]:
     return prediction, prediction == answer
 
 
-def answer_samples(model, policy, samples: Sequence[synthetic.Sample], task: str, n_tokens: int,
-                   batch_size: int = 8, page_size: int = 16, chunk_size: int = 512) -> list[Scored]:
-    """Run `samples` through `kvjax.generate` with the question fed by decode; score each answer."""
-    import kvjax
-
-    tokenizer = model.tokenizer
-    if tokenizer is None:
+def answer_samples(model, policy, samples: Sequence, task: str, n_tokens: int, batch_size: int = 8,
+                   page_size: int = 16, chunk_size: int = 512) -> list[Scored]:
+    """`samples` (synthetic or real-text) answered under one policy, in batches: `answer_shared` with one policy."""
+    if model.tokenizer is None:
         raise ValueError("retrieval tasks need a model with a tokenizer")
     out: list[Scored] = []
     for start in range(0, len(samples), batch_size):
         batch = samples[start : start + batch_size]
-        prompts = [tokenizer(s.prompt)["input_ids"] for s in batch]
-        question_lengths = {len(tokenizer(s.question, add_special_tokens=False)["input_ids"]) for s in batch}
-        decode_last = min(question_lengths)  # equal within a task (the question's words are fixed)
-        # a task's answers have a fixed digit count; the shipped model was not trained to end its answer,
-        # so it gets exactly that many tokens (docs/default_model.md)
-        max_new = max(len(s.answer) for s in batch)
-        tokens = kvjax.generate(
-            model, prompts, max_new, policy, decode_last=decode_last, page_size=page_size, chunk_size=chunk_size
-        )
-        for sample, row in zip(batch, np.asarray(tokens)):
-            text = tokenizer.decode([int(t) for t in row if t >= 0], skip_special_tokens=True)
-            prediction, correct = score_text(text, sample.answer)
-            out.append(Scored(task, n_tokens, sample.depth, sample.answer, prediction, correct, text))
+        out += answer_shared(model, {"policy": policy}, batch, task, n_tokens, page_size, chunk_size)["policy"]
     return out
 
 
@@ -111,40 +99,75 @@ def make_real_samples(model, task: str, n_tokens: int, num_samples: int, seed: i
     return needles.make_samples(task.removeprefix("real_"), model.tokenizer, n_tokens, num_samples, seed, chat=chat)
 
 
-def answer_real_samples(model, policy, samples: Sequence[needles.NeedleSample], task: str, n_tokens: int,
-                        batch_size: int = 8, page_size: int = 16, chunk_size: int = 512) -> list[Scored]:
-    """Real-text samples through `kvjax.generate`, the question fed by decode. A niah question names its
-    key, so question lengths differ: batches group samples of one question length."""
-    import kvjax
+def split_sample(model, sample, task: str) -> tuple[list[int], list[int], int]:
+    """(context ids prefilled, question ids fed by decode, tokens to generate) of a synthetic or real sample."""
+    if task in REAL_TASKS:
+        return list(sample.context_ids), list(sample.question_ids), min(REAL_ANSWER_TOKENS[task], sample.max_new_tokens)
+    prompt = model.tokenizer(sample.prompt)["input_ids"]
+    question = len(model.tokenizer(sample.question, add_special_tokens=False)["input_ids"])
+    # the shipped model was not trained to end its answer: exactly the answer's digit count (docs/default_model.md)
+    return prompt[: len(prompt) - question], prompt[len(prompt) - question :], len(sample.answer)
 
-    by_length: dict[int, list] = {}
-    for sample in samples:
-        by_length.setdefault(len(sample.question_ids), []).append(sample)
-    max_new = REAL_ANSWER_TOKENS[task]
-    out: list[Scored] = []
-    for decode_last, group in sorted(by_length.items()):
-        for start in range(0, len(group), batch_size):
-            batch = group[start : start + batch_size]
-            prompts = [list(s.context_ids) + list(s.question_ids) for s in batch]
-            tokens = kvjax.generate(model, prompts, min(max_new, batch[0].max_new_tokens), policy,
-                                    decode_last=decode_last, page_size=page_size, chunk_size=chunk_size)
-            for sample, row in zip(batch, np.asarray(tokens)):
-                text = model.tokenizer.decode([int(t) for t in row if t >= 0], skip_special_tokens=True)
-                score = needles.score_prediction(sample, text)
-                prediction = needles.passkey_prediction(text) if sample.task == "passkey" else text.strip()
-                out.append(Scored(task, n_tokens, sample.depth, " ".join(sample.answers), prediction, score == 1.0,
-                                  text, score))
+
+def score_sample(model, sample, task: str, n_tokens: int, tokens: Sequence[int]) -> Scored:
+    """One generated row scored as its task's paper scores it."""
+    text = model.tokenizer.decode([int(t) for t in tokens if t >= 0], skip_special_tokens=True)
+    if task not in REAL_TASKS:
+        prediction, correct = score_text(text, sample.answer)
+        return Scored(task, n_tokens, sample.depth, sample.answer, prediction, correct, text)
+    score = needles.score_prediction(sample, text)
+    prediction = needles.passkey_prediction(text) if sample.task == "passkey" else text.strip()
+    return Scored(task, n_tokens, sample.depth, " ".join(sample.answers), prediction, score == 1.0, text, score)
+
+
+def answer_shared(model, policies: dict, samples: Sequence, task: str, n_tokens: int, page_size: int = 16,
+                  chunk_size: int = 512, progress=None) -> dict:
+    """One batch of `samples` under every policy of `policies` ({key: Policy}), with one full prefill shared
+    by every policy that compresses after prefill or only selects pages (`kvjax.shared_prefill`); a policy
+    compressing during prefill (Locret) is prefilled on its own. Questions are fed by decode, ragged.
+    Returns {key: [Scored, ...]} in sample order. `progress` (a tqdm bar) is advanced once per policy."""
+    import kvjax
+    from kvjax.generation import continue_rows
+    from kvjax.shared_prefill import derive, shared_prefill
+
+    split = [split_sample(model, s, task) for s in samples]
+    contexts = [c for c, _, _ in split]
+    questions = [np.asarray(q, np.int32) for _, q, _ in split]
+    max_new = max(m for _, _, m in split)
+    reserve = max(len(q) for q in questions) + max_new
+    shareable = {k: p for k, p in policies.items() if not (p.compresses and p.chunks is not None)}
+    out = {}
+    shared = None
+    if shareable:
+        shared = shared_prefill(model, contexts, list(shareable.values()), reserve_tokens=reserve,
+                                page_size=page_size, chunk_size=chunk_size)
+    for key, policy in policies.items():
+        if key in shareable:
+            state, logits = derive(model, shared, policy)
+        else:
+            state, logits = kvjax.prefill(model, contexts, policy, page_size=page_size, chunk_size=chunk_size,
+                                          capacity=shared.state.capacity if shared else None, max_new_tokens=reserve)
+        tokens = continue_rows(model, state, logits, questions, max_new, policy)
+        out[key] = [score_sample(model, s, task, n_tokens, row) for s, row in zip(samples, np.asarray(tokens))]
+        del state
+        if progress is not None:
+            progress.update(1)
     return out
 
 
 def run_task(model, policy, task: str, n_tokens: int, num_samples: int, seed: int = 0, num_records: int = 4,
              depths: Sequence[float] | None = None, batch_size: int = 8, **kwargs) -> list[Scored]:
     """`num_samples` samples of `task` (synthetic or real-text) answered under `policy`."""
+    return answer_samples(model, policy, task_samples(model, task, n_tokens, num_samples, seed, num_records, depths),
+                          task, n_tokens, batch_size, **kwargs)
+
+
+def task_samples(model, task: str, n_tokens: int, num_samples: int, seed: int = 0, num_records: int = 4,
+                 depths: Sequence[float] | None = None) -> list:
+    """`num_samples` samples of `task`: real-text ones for `model`'s tokenizer, or synthetic ones."""
     if task in REAL_TASKS:
-        samples = make_real_samples(model, task, n_tokens, num_samples, seed)
-        return answer_real_samples(model, policy, samples, task, n_tokens, batch_size, **kwargs)
-    samples = make_samples(task, n_tokens, num_samples, seed, num_records, depths)
-    return answer_samples(model, policy, samples, task, n_tokens, batch_size, **kwargs)
+        return make_real_samples(model, task, n_tokens, num_samples, seed)
+    return make_samples(task, n_tokens, num_samples, seed, num_records, depths)
 
 
 def accuracy(records: Sequence[Scored]) -> float:

@@ -1,7 +1,8 @@
 """Policies x budgets x lengths on the retrieval tasks: JSON, a Quest-Table-1-shaped Markdown table, plots.
 
-Every cell runs `eval.retrieval` (question fed by decode, after compression) with one policy at one
-token budget; `full` runs once per length. Decode latency per policy is timed on the same prompts
+Every cell is one policy at one token budget (`full` once per length) on `eval.retrieval`'s protocol
+(question fed by decode, after compression). Each batch of samples is prefilled once and every cell that
+compresses after prefill is derived from that state (`kvjax.shared_prefill`); the run resumes by batch. Decode latency per policy is timed on the same prompts
 (`time_decode`). Plots are drawn from the JSON: accuracy against budget (one panel per task and length)
 and decode latency against context length.
 
@@ -31,12 +32,21 @@ DEFAULT_POLICIES = ("full", "quest", "quest_static", "snapkv", "ada_snapkv", "h2
 DEFAULT_DENSE_LAYERS = 1
 
 
-def build_policy(name: str, budget: int | None, dense_layers: int = DEFAULT_DENSE_LAYERS):
+def build_policy(spec: str, budget: int | None, dense_layers: int = DEFAULT_DENSE_LAYERS):
+    """The policy a sweep names: a registered name (`quest`), with options (`quest:dense_layers=0`), or an
+    evict+select composition (`snapkv+quest`), each part at `budget` with `dense_layers` unless given."""
     import kvjax
+    from kvjax.policies.options import parse_policy_options
 
+    if "+" in spec:
+        evict, select = spec.split("+", 1)
+        return kvjax.make_policy("compose", evict=build_policy(evict, budget, dense_layers),
+                                 select=build_policy(select, budget, dense_layers))
+    name, _, options = spec.partition(":")
     if name == "full":
         return kvjax.make_policy("full")
-    return kvjax.make_policy(name, token_budget=int(budget), dense_layers=dense_layers)
+    parsed = parse_policy_options(name, [o for o in options.split(",") if o])
+    return kvjax.make_policy(name, **{"token_budget": int(budget), "dense_layers": dense_layers, **parsed})
 
 
 def time_decode(model, policy, prompts: Sequence[Sequence[int]], steps: int = 16) -> dict:
@@ -58,60 +68,98 @@ def time_decode(model, policy, prompts: Sequence[Sequence[int]], steps: int = 16
     return {"decode_ms_per_step": ms, "decode_tokens_per_s": len(prompts) * 1e3 / ms, "batch": len(prompts)}
 
 
+def sweep_cells(policies: Sequence[str], budgets: Sequence[int]) -> list[tuple[str, int | None]]:
+    """(policy spec, budget) cells of one task and length: `full` once, every other policy at every budget."""
+    return [(p, b) for p in policies for b in ((None,) if p == "full" else budgets)]
+
+
+def _cell_key(spec: str, budget) -> str:
+    return spec if budget is None else f"{spec}@{budget}"
+
+
 def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequence[int] = (64, 128),
               lengths: Sequence[int] = (2048,), tasks: Sequence[str] = ("passkey", "multikey"), num_samples: int = 20,
               num_records: int = 4, seed: int = 0, dense_layers: int = DEFAULT_DENSE_LAYERS, batch_size: int = 8,
               latency: bool = True, progress: bool = True, checkpoint: str | None = None,
-              clear_compiled: bool = True) -> dict:
+              clear_compiled: bool = True, max_batches: int | None = None) -> dict:
     """Accuracy rows {task, length, policy, budget, accuracy, correct, samples} and latency rows.
 
-    With `checkpoint` (a jsonl path), each finished cell is appended there, and cells already in it (same
-    task, length, policy, budget, samples, records, seed and dense_layers) are not run again: a killed
-    sweep resumes where it stopped. `clear_compiled` drops JAX's in-memory compiled steps after each cell
-    (long sweeps; a short run such as the demo keeps them, so its latency pass reuses them)."""
+    Each batch of samples is prefilled once, and every cell that compresses after prefill (or only
+    selects pages) is derived from that one state (`retrieval.answer_shared`); Locret prefills on its own.
+    With `checkpoint` (a jsonl path) every finished batch is appended there with every cell's scores, and
+    batches already in it (same setting) are not run again: a killed sweep resumes at the next batch, and
+    `max_batches` bounds the batches run per (task, length) in this call (a long sweep spread over several
+    sessions: the tables report the samples done so far). `clear_compiled` drops JAX's compiled steps after
+    each (task, length) (long sweeps; the demo keeps them, so its latency pass reuses them)."""
     from tqdm import tqdm
 
-    cells = [(t, n, p, b) for t in tasks for n in lengths for p in policies for b in ((None,) if p == "full" else budgets)]
-    setting = {"samples": num_samples, "records": num_records, "seed": seed, "dense_layers": dense_layers}
-    done = {}
+    cells = sweep_cells(policies, budgets)
+    setting = {"samples": num_samples, "records": num_records, "seed": seed, "dense_layers": dense_layers,
+               "batch_size": batch_size}
+    done: dict = {}
     if checkpoint and os.path.exists(checkpoint):
         with open(checkpoint) as f:
             for line in f:
                 row = json.loads(line)
                 if row.pop("setting", None) == setting:
-                    done[(row["task"], row["length"], row["policy"], row["budget"])] = row
-    rows, latency_rows = [], []
-    bar = tqdm(cells, desc="sweep", disable=not progress)
-    for task, n_tokens, name, budget in bar:
-        bar.set_postfix_str(f"{task} {n_tokens} {name} {budget or ''}")
-        if (task, n_tokens, name, budget) in done:
-            rows.append(done[(task, n_tokens, name, budget)])
-            continue
-        policy = build_policy(name, budget, dense_layers)
-        started = time.perf_counter()
-        records = retrieval.run_task(model, policy, task, n_tokens, num_samples, seed, num_records, batch_size=batch_size)
-        rows.append({
-            "task": task, "length": n_tokens, "policy": name, "budget": budget,
-            "accuracy": retrieval.accuracy(records), "correct": int(sum(r.correct for r in records)),
-            "samples": len(records), "seconds": round(time.perf_counter() - started, 2),
-            "by_depth": retrieval.accuracy_by_depth(records),
-        })
-        # every (policy, budget) compiles its own steps; dropping them bounds the process's memory maps (a
-        # full sweep otherwise ended in "LLVM compilation error: Cannot allocate memory" here after ~30 cells)
-        if clear_compiled:
-            jax.clear_caches()
-        if checkpoint:
-            with open(checkpoint, "a") as f:
-                f.write(json.dumps({**rows[-1], "setting": setting}) + "\n")
+                    done.setdefault((row["task"], row["length"], row["batch"]), {}).update(row["scores"])
+    scores: dict = {}  # (task, length, cell key) -> [score per sample]
+    seconds: dict = {}
+    batches = -(-num_samples // batch_size)
+    for task in tasks:
+        for n_tokens in lengths:
+            samples = None
+            ran = 0
+            bar = tqdm(total=batches * len(cells), desc=f"{task} {n_tokens}", disable=not progress)
+            for index in range(batches):
+                have = done.get((task, n_tokens, index), {})
+                todo = [(p, b) for p, b in cells if _cell_key(p, b) not in have]
+                if todo and max_batches is not None and ran >= max_batches:
+                    break
+                if todo:
+                    if samples is None:
+                        samples = retrieval.task_samples(model, task, n_tokens, num_samples, seed, num_records)
+                    batch = samples[index * batch_size : (index + 1) * batch_size]
+                    started = time.perf_counter()
+                    bar.update(len(cells) - len(todo))
+                    records = retrieval.answer_shared(
+                        model, {_cell_key(p, b): build_policy(p, b, dense_layers) for p, b in todo}, batch, task,
+                        n_tokens, progress=bar)
+                    new = {key: [r.score if r.score is not None else float(r.correct) for r in rs]
+                           for key, rs in records.items()}
+                    have = {**have, **new}
+                    seconds[(task, n_tokens)] = seconds.get((task, n_tokens), 0.0) + time.perf_counter() - started
+                    ran += 1
+                    if checkpoint:
+                        with open(checkpoint, "a") as f:
+                            f.write(json.dumps({"task": task, "length": n_tokens, "batch": index, "scores": new,
+                                                "seconds": round(time.perf_counter() - started, 2),
+                                                "setting": setting}) + "\n")
+                else:
+                    bar.update(len(cells))
+                for key, values in have.items():
+                    scores.setdefault((task, n_tokens, key), []).extend(values)
+            bar.close()
+            # every (policy, budget) compiles its own steps; dropping them bounds the process's memory maps (a
+            # long sweep otherwise ended in "LLVM compilation error: Cannot allocate memory" on a default
+            # vm.max_map_count)
+            if clear_compiled:
+                jax.clear_caches()
+    rows = []
+    for task in tasks:
+        for n_tokens in lengths:
+            for spec, budget in cells:
+                values = scores.get((task, n_tokens, _cell_key(spec, budget)))
+                if values:
+                    rows.append({"task": task, "length": n_tokens, "policy": spec, "budget": budget,
+                                 "accuracy": float(np.mean(values)), "correct": int(sum(v == 1.0 for v in values)),
+                                 "samples": len(values)})
+    latency_rows = []
     if latency:
         for n_tokens in tqdm(lengths, desc="latency", disable=not progress):
             # the accuracy runs' batch shape, so the decode step compiled for them is reused
-            if tasks[0] in retrieval.REAL_TASKS:
-                samples = retrieval.make_real_samples(model, tasks[0], n_tokens, batch_size, seed)
-                prompt = [list(s.context_ids) for s in samples]
-            else:
-                samples = retrieval.make_samples("passkey", n_tokens, batch_size, seed)
-                prompt = [model.tokenizer(s.prompt)["input_ids"] for s in samples]
+            samples = retrieval.task_samples(model, tasks[0], n_tokens, batch_size, seed, num_records)
+            prompt = [retrieval.split_sample(model, s, tasks[0])[0] for s in samples]
             for name in policies:
                 budget = None if name == "full" else max(budgets)
                 timing = time_decode(model, build_policy(name, budget, dense_layers), prompt)
@@ -120,6 +168,7 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
         "machine": machine_info(), "policies": list(policies), "budgets": list(budgets), "lengths": list(lengths),
         "tasks": list(tasks), "num_samples": num_samples, "num_records": num_records, "dense_layers": dense_layers,
         "seed": seed, "accuracy": rows, "latency": latency_rows,
+        "seconds": {f"{t} {n}": round(v, 1) for (t, n), v in seconds.items()},
     }
 
 
@@ -198,6 +247,9 @@ def main(argv=None) -> int:
     parser.add_argument("--records", type=int, default=4)
     parser.add_argument("--dense-layers", type=int, default=DEFAULT_DENSE_LAYERS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-batches", type=int, default=None,
+                        help="batches to run per task and length in this call (resume later for the rest)")
     parser.add_argument("--no-latency", action="store_true")
     parser.add_argument("--out", default=default_out("sweep"))
     parser.add_argument("--name", default="sweep")
@@ -210,8 +262,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     model = kvjax.load_model(args.model)
     result = run_sweep(model, args.policies, args.budgets, args.lengths, args.tasks, args.samples, args.records,
-                       args.seed, args.dense_layers, latency=not args.no_latency,
-                       checkpoint=f"{args.out}/{args.name}.cells.jsonl")
+                       args.seed, args.dense_layers, batch_size=args.batch_size, latency=not args.no_latency,
+                       checkpoint=f"{args.out}/{args.name}.batches.jsonl", max_batches=args.max_batches)
     result["model"] = args.model
     table = accuracy_table(result)
     paths = write_outputs(args.out, args.name, result, table)

@@ -163,6 +163,30 @@ def prefill_rows(
     `reserve_tokens` more tokens after compression. `progress` shows a bar over the chunks of a prompt of
     several chunks. Returns `(state, logits f32[B, V])`."""
     backend = backend or LOCAL_BACKEND
+    state, window, logits = prefill_chunks(
+        model, rows, policy, page_size, capacity, chunk_size, declared_length, reserve_tokens, backend, progress
+    )
+    if policy.compresses and policy.chunks is None:
+        state = compress_prefilled(model, state, window, policy, [len(r) for r in rows], reserve_tokens, backend)
+    return state, logits
+
+
+def prefill_chunks(
+    model: Model,
+    rows: list[np.ndarray],
+    policy: Policy,
+    page_size: int,
+    capacity: int,
+    chunk_size: int,
+    declared_length: int,
+    reserve_tokens: int,
+    backend: StepBackend | None = None,
+    progress: bool = False,
+) -> tuple[KVState, Any, jax.Array]:
+    """`prefill_rows` up to, not including, the compression after prefill: every chunk appended (and, with a
+    chunk schedule, compressed). Returns `(state, window, logits)`, `window` being the carry of the last
+    `policy.window_size` queries per layer (`kvjax.step.new_window`) or None."""
+    backend = backend or LOCAL_BACKEND
     cfg = model.cfg
     policy.validate(page_size)
     _warn_sliding_window(cfg, declared_length)
@@ -219,13 +243,25 @@ def prefill_rows(
     error = backend.overflow_error(state)
     if error is not None:
         raise error
-    if policy.compresses and not per_chunk:
-        keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths)
-        grow = 1 if policy.evicts_while_decoding else reserve_tokens
-        bounded = min(state.max_pages, pages_for(bucketed(keep_bound + grow), page_size))
-        read_pages = tuple(bounded if policy.compresses_layer(l) else state.max_pages for l in range(cfg.num_layers))
-        state = backend.compress_step(state, window, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages)
-    return state, logits
+    return state, window, logits
+
+
+def compress_prefilled(
+    model: Model, state: KVState, window, policy: Policy, prompt_lengths: Sequence[int], reserve_tokens: int,
+    backend: StepBackend | None = None,
+) -> KVState:
+    """The compression after prefill (a policy without a chunk schedule): each compressed layer keeps the
+    policy's slots and reads at most the pages they and `reserve_tokens` more tokens need (one more, for a
+    policy that evicts while decoding). `window` is the prefill's query carry. Donates `state`."""
+    backend = backend or LOCAL_BACKEND
+    cfg = model.cfg
+    keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in prompt_lengths)
+    grow = 1 if policy.evicts_while_decoding else reserve_tokens
+    bounded = min(state.max_pages, pages_for(bucketed(keep_bound + grow), state.page_size))
+    read_pages = tuple(bounded if policy.compresses_layer(l) else state.max_pages for l in range(cfg.num_layers))
+    return backend.compress_step(
+        state, window, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages
+    )
 
 
 def prefill(
@@ -344,17 +380,49 @@ def generate_rows(
         raise ValueError(f"decode_last must be in [0, shortest prompt length {shortest}), got {decode_last}")
     needed = longest + max_new_tokens
     capacity = bucketed(needed) if capacity is None else capacity
-    eos = model.eos_token_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
 
     state, logits = prefill_rows(
         model, [r[: len(r) - decode_last] for r in rows], policy, page_size, capacity, chunk_size, needed,
         max_new_tokens + decode_last, backend, progress,
     )
-    for j in range(decode_last):
-        step_tokens = jnp.asarray([r[len(r) - decode_last + j] for r in rows], jnp.int32)
-        logits, state = _decode(model, state, step_tokens, policy, backend)
+    return continue_rows(
+        model, state, logits, [r[len(r) - decode_last :] for r in rows], max_new_tokens, policy,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, return_logprobs=return_logprobs,
+        backend=backend,
+    )
 
-    B = len(rows)
+
+def feed_tokens(
+    model: Model, state: KVState, logits: jax.Array, rows: Sequence[np.ndarray], policy: Policy,
+    backend: StepBackend | None = None,
+) -> tuple[KVState, jax.Array]:
+    """Feed each sequence its own `rows[b]` tokens one decode step at a time (ragged: a row that has run out
+    appends nothing while the others go on). `logits f32[B, V]` are the state's last logits; returns the
+    state and the logits after each row's last fed token. Donates `state`."""
+    backend = backend or LOCAL_BACKEND
+    lengths = np.array([len(r) for r in rows], np.int32)
+    for j in range(int(lengths.max(initial=0))):
+        tokens = np.array([r[j] if j < len(r) else 0 for r in rows], np.int32)
+        state, _, logits = backend.append_step(
+            model.params, state, None, backend.put(tokens[:, None]), backend.put((j < lengths).astype(np.int32)),
+            logits, None, cfg=model.cfg, dtype=model.dtype, policy=policy,
+        )
+    return state, logits
+
+
+def continue_rows(
+    model: Model, state: KVState, logits: jax.Array, tails: Sequence[np.ndarray], max_new_tokens: int,
+    policy: Policy, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+    eos_token_id: int | Sequence[int] | None = None, return_logprobs: bool = False,
+    backend: StepBackend | None = None,
+):
+    """Generation from a prefilled (and compressed) state: feed each row's `tails[b]` by decode
+    (`feed_tokens`; Quest's protocol for the question), then sample up to `max_new_tokens` per row, as
+    `generate` does. Donates `state`."""
+    backend = backend or LOCAL_BACKEND
+    eos = model.eos_token_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
+    state, logits = feed_tokens(model, state, logits, tails, policy, backend)
+    B = len(tails)
     out = np.full((B, max_new_tokens), -1, np.int32)
     out_logprobs = np.full((B, max_new_tokens), np.nan, np.float32)
     done = np.zeros(B, bool)

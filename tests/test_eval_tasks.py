@@ -225,27 +225,42 @@ def test_shipped_model_retrieves(shipped):
 
 
 def test_sweep_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """Batches in the checkpoint are not run again; `max_batches` stops early and a later call goes on."""
     calls = []
 
-    def fake_run_task(model, policy, task, n_tokens, num_samples, seed, num_records, batch_size=8):
-        calls.append((task, policy.name))
-        return [retrieval.Scored(task, n_tokens, 0.5, "1", "1", i % 2 == 0, "1") for i in range(num_samples)]
+    def fake_answer_shared(model, policies, samples, task, n_tokens, progress=None):
+        calls.append((task, tuple(policies), len(samples)))
+        return {key: [retrieval.Scored(task, n_tokens, 0.5, "1", "1", i % 2 == 0, "1") for i in range(len(samples))]
+                for key in policies}
 
-    monkeypatch.setattr(retrieval, "run_task", fake_run_task)
-    checkpoint = str(tmp_path / "cells.jsonl")
+    monkeypatch.setattr(retrieval, "answer_shared", fake_answer_shared)
+    monkeypatch.setattr(retrieval, "task_samples", lambda model, task, n, num, seed, records: list(range(num)))
+    checkpoint = str(tmp_path / "batches.jsonl")
     kwargs = dict(policies=("full", "streaming"), budgets=(64,), lengths=(512,), tasks=("passkey",), num_samples=4,
-                  latency=False, progress=False, checkpoint=checkpoint)
+                  batch_size=2, latency=False, progress=False, checkpoint=checkpoint)
+    partial = sweep.run_sweep(None, **kwargs, max_batches=1)
+    assert calls == [("passkey", ("full", "streaming@64"), 2)]
+    assert [(r["policy"], r["samples"], r["accuracy"]) for r in partial["accuracy"]] == [("full", 2, 0.5), ("streaming", 2, 0.5)]
     first = sweep.run_sweep(None, **kwargs)
-    assert len(calls) == 2 and [r["accuracy"] for r in first["accuracy"]] == [0.5, 0.5]
+    assert len(calls) == 2 and [(r["samples"], r["accuracy"]) for r in first["accuracy"]] == [(4, 0.5), (4, 0.5)]
 
     def fail(*args, **kw):
-        raise AssertionError("a finished cell ran again")
+        raise AssertionError("a finished batch ran again")
 
-    monkeypatch.setattr(retrieval, "run_task", fail)
+    monkeypatch.setattr(retrieval, "answer_shared", fail)
     again = sweep.run_sweep(None, **kwargs)
     assert again["accuracy"] == first["accuracy"]
     with pytest.raises(AssertionError, match="ran again"):  # another setting is not taken from the checkpoint
         sweep.run_sweep(None, **{**kwargs, "num_samples": 8})
+
+
+def test_sweep_policy_specs():
+    quest0 = sweep.build_policy("quest:dense_layers=0", 128, dense_layers=2)
+    assert (quest0.name, quest0.token_budget, quest0.dense_layers) == ("quest", 128, 0)
+    composed = sweep.build_policy("snapkv+quest", 64, dense_layers=2)
+    assert composed.name == "compose" and composed.evict.token_budget == composed.select.token_budget == 64
+    with pytest.raises(ValueError, match="no option"):
+        sweep.build_policy("snapkv:nonsense=1", 64)
 
 
 def test_default_model_recipe_sets_a_previous_token_head_and_trains():

@@ -1,0 +1,130 @@
+"""One full prefill, many policies: derive every policy that compresses after prefill (or only selects
+pages) from one uncompressed state, instead of prefilling the same prompts once per policy and budget.
+
+The state is immutable data, so each derived policy compresses a copy of it. What a compressor reads
+from the prefill is gathered during the one prefill: the last `window_size` queries of every layer (the
+largest window any of the policies reads; each takes its own last rows, which are exactly the rows its
+own prefill would have kept), and every query's attention summed into `slot_score` when one of them
+accumulates attention (H2O); a policy that does not accumulate gets `slot_score` zeroed, as its own
+prefill leaves it. A policy that compresses during prefill (a chunk schedule: Locret) cannot be derived
+and must be prefilled on its own.
+
+    shared = shared_prefill(model, contexts, policies, reserve_tokens=64)
+    for policy in policies:
+        state, logits = derive(model, shared, policy)
+        tokens = continue_rows(model, state, logits, questions, 16, policy)
+
+`derive(model, shared, policy)` equals `prefill(model, contexts, policy, ...)` with the same capacity
+(tests/test_shared_prefill.py checks kept positions and generated tokens for every registered policy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.generation import (
+    DEFAULT_CHUNK_SIZE, as_token_lists, bucketed, check_context, compress_prefilled, policy_or_full, prefill_chunks,
+)
+from kvjax.loading import Model
+from kvjax.policies import LayerView, Policy
+from kvjax.state import KVState
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturePolicy(Policy):
+    """The full cache, whose prefill also records what compressors read: the last `window` queries of every
+    layer and, with `accumulate`, every query's attention in `slot_score`. It never compresses (its
+    `compress_layer` exists only so the steps treat every layer as one a compressor reads); not registered."""
+
+    window: int = 0
+    accumulate: bool = False
+
+    @property
+    def window_size(self) -> int:
+        return self.window
+
+    @property
+    def accumulates_attention(self) -> bool:  # type: ignore[override]
+        return self.accumulate
+
+    def compress_layer(self, view: LayerView, keep_bound: int):
+        raise RuntimeError("CapturePolicy never compresses: derive() compresses copies with each policy")
+
+
+class SharedPrefill(NamedTuple):
+    """One uncompressed prefill of a batch and what its compressors read."""
+
+    state: KVState  # never donated: derive() copies it
+    window: Any  # {"q": [L, B, w, Hq, D], "pos": int32[B, w]} the last w queries, or None
+    logits: jax.Array  # f32[B, V] at each prompt's last token
+    prompt_lengths: tuple[int, ...]
+    reserve_tokens: int  # tokens each sequence may still append (question + answer)
+    capture: CapturePolicy  # what was gathered
+
+
+def capture_for(policies: Sequence[Policy]) -> CapturePolicy:
+    """The capture that serves every one of `policies`; ValueError naming one that compresses per chunk."""
+    for policy in policies:
+        if policy.compresses and policy.chunks is not None:
+            raise ValueError(
+                f"policy {policy.name!r} compresses during prefill (a chunk schedule), so it cannot be derived "
+                "from a shared full prefill; prefill it on its own"
+            )
+    compressors = [p for p in policies if p.compresses]
+    return CapturePolicy(
+        window=max((p.window_size for p in compressors), default=0),
+        accumulate=any(p.accumulates_attention for p in compressors),
+    )
+
+
+def shared_prefill(
+    model: Model, prompt_ids, policies: Sequence[Policy], *, reserve_tokens: int, page_size: int = 16,
+    capacity: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE, allow_longer_context: bool = False,
+    progress: bool = False,
+) -> SharedPrefill:
+    """Prefill `prompt_ids` (int `[B, T]` or ragged token lists) once, uncompressed, gathering what every
+    one of `policies` reads to compress. `reserve_tokens` is the room each sequence keeps for what follows
+    (question and answer); `capacity` defaults to the longest prompt plus it, as `prefill` sizes it."""
+    policies = [policy_or_full(p) for p in policies]
+    for policy in policies:
+        policy.validate(page_size)
+    rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
+    longest = max(len(r) for r in rows)
+    check_context(model.cfg, longest, reserve_tokens, allow_longer_context)
+    capacity = bucketed(longest + reserve_tokens) if capacity is None else capacity
+    capture = capture_for(policies)
+    state, window, logits = prefill_chunks(
+        model, rows, capture, page_size, capacity, chunk_size, longest + reserve_tokens,
+        reserve_tokens, progress=progress,
+    )
+    return SharedPrefill(state, window, logits, tuple(len(r) for r in rows), reserve_tokens, capture)
+
+
+def derive(model: Model, shared: SharedPrefill, policy: Policy | None) -> tuple[KVState, jax.Array]:
+    """`policy`'s state after prefill, from a copy of the shared one: `(state, logits f32[B, V])`, ready for
+    `kvjax.generation.continue_rows` or `decode_step`. `shared` stays usable."""
+    policy = policy_or_full(policy)
+    capture_for([policy])  # the chunk-schedule check
+    state = jax.tree.map(jnp.copy, shared.state)
+    if not (policy.compresses and policy.accumulates_attention):
+        state = state.replace(slot_score=jnp.zeros_like(state.slot_score))
+    if not policy.compresses:
+        return state, shared.logits
+    if policy.window_size > shared.capture.window or (policy.accumulates_attention and not shared.capture.accumulate):
+        raise ValueError(
+            f"policy {policy.name!r} reads what the shared prefill did not gather ({shared.capture}); include it "
+            "in shared_prefill's policies"
+        )
+    window = None
+    if policy.window_size:
+        have, w = shared.capture.window, policy.window_size
+        window = {"q": shared.window["q"][:, :, have - w :], "pos": shared.window["pos"][:, have - w :]}
+    state = compress_prefilled(model, state, window, policy, shared.prompt_lengths, shared.reserve_tokens)
+    return state, shared.logits
+
+
+__all__ = ["CapturePolicy", "SharedPrefill", "capture_for", "derive", "shared_prefill"]
