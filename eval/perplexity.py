@@ -1,21 +1,31 @@
-"""PG19-style perplexity by token-by-token decode (Quest's language-modelling evaluation).
+"""PG19-style perplexity by token-by-token decode (Quest's, StreamingLLM's and H2O's language-modelling measure).
 
 A prefix of the text is prefilled (and compressed, for methods that compress); every following token is
-then fed through `decode_step`, so each prediction reads the cache the policy keeps (Quest's selection,
-H2O's and TOVA's eviction) exactly as generation would. The score is the mean negative log-likelihood of
-each next token and its exponential.
+then fed through a decode step (`kvjax.generation.feed_tokens`), so each prediction reads the cache the
+policy keeps (Quest's selection, H2O's and TOVA's eviction) exactly as generation would. The score is the
+mean negative log-likelihood of each next token and its exponential.
 
     result = decode_perplexity(model, policy, token_ids, prefix_tokens=256)
+
+As a program, every policy at every budget on real-text windows of a real model, each batch prefilled
+once and every policy derived from it (`kvjax.shared_prefill`); JSON, a Markdown table and a plot of
+perplexity against budget:
+
+    kvjax bench perplexity --model smollm2-135m --context 2048 --continuation 128 --texts 10
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
+import time
 from typing import Sequence
 
-import jax
 import numpy as np
-from tqdm import tqdm
+
+from ._report import default_out, machine_info, markdown_table, write_outputs
 
 
 def read_text_tokens(path: str, tokenizer, max_tokens: int | None = None) -> list[int]:
@@ -32,19 +42,135 @@ def decode_perplexity(model, policy, token_ids: Sequence[int], prefix_tokens: in
                       progress: bool = True) -> dict:
     """Mean NLL and perplexity of `token_ids[prefix_tokens:]`, each predicted through one decode step."""
     import kvjax
+    from kvjax.generation import feed_tokens
 
     ids = [int(t) for t in token_ids]
     if not 1 <= prefix_tokens < len(ids):
         raise ValueError(f"prefix_tokens must be in [1, {len(ids)}) for {len(ids)} tokens, got {prefix_tokens}")
     state, logits = kvjax.prefill(model, [ids[:prefix_tokens]], policy, page_size=page_size,
                                   max_new_tokens=len(ids) - prefix_tokens)
-    nll = np.zeros(len(ids) - prefix_tokens, np.float64)
-    for i, t in enumerate(tqdm(range(prefix_tokens, len(ids)), desc=f"perplexity {policy.name}", disable=not progress,
-                               leave=False)):
-        logprobs = jax.nn.log_softmax(logits[0].astype(np.float32))
-        nll[i] = -float(logprobs[ids[t]])
-        if t + 1 < len(ids):
-            logits, state = kvjax.decode_step(model, state, [ids[t]], policy)
-    mean = float(nll.mean())
-    return {"policy": policy.name, "tokens": int(nll.size), "prefix_tokens": prefix_tokens, "nll": mean,
+    _, _, nll = feed_tokens(model, state, logits, [np.asarray(ids[prefix_tokens:], np.int32)], policy,
+                            return_nll=True, progress=progress)
+    mean = float(nll[0].astype(np.float64).mean())
+    return {"policy": policy.name, "tokens": int(nll.shape[1]), "prefix_tokens": prefix_tokens, "nll": mean,
             "perplexity": math.exp(mean)}
+
+
+def perplexity_sweep(model, policies: Sequence[str], budgets: Sequence[int], context: int, continuation: int,
+                     num_texts: int, batch_size: int = 10, dense_layers: int = 0, seed: int = 0,
+                     progress: bool = True) -> dict:
+    """Decode perplexity of `num_texts` real-text windows (`context` tokens prefilled, `continuation` scored)
+    under every policy spec (`eval.sweep.build_policy`) at every budget; `full` once."""
+    from tqdm import tqdm
+
+    from kvjax.generation import feed_tokens
+    from kvjax.shared_prefill import derive, shared_prefill
+    from kvjax.tasks import needles
+
+    from .sweep import _cell_key, build_policy, sweep_cells
+
+    texts = needles.perplexity_texts(model.tokenizer, context, continuation, num_texts, seed)
+    cells = sweep_cells(policies, budgets)
+    nll = {_cell_key(p, b): [] for p, b in cells}
+    started = time.perf_counter()
+    bar = tqdm(total=len(cells) * -(-num_texts // batch_size), desc=f"perplexity {context}", disable=not progress)
+    for start in range(0, num_texts, batch_size):
+        batch = texts[start : start + batch_size]
+        built = {_cell_key(p, b): build_policy(p, b, dense_layers) for p, b in cells}
+        shared = shared_prefill(model, [t.context_ids for t in batch], list(built.values()),
+                                reserve_tokens=continuation)
+        for key, policy in built.items():
+            state, logits = derive(model, shared, policy)
+            _, _, values = feed_tokens(model, state, logits, [np.asarray(t.continuation_ids, np.int32) for t in batch],
+                                       policy, return_nll=True)
+            nll[key].append(values)
+            bar.update(1)
+        del shared
+    bar.close()
+    rows = []
+    for spec, budget in cells:
+        values = np.concatenate(nll[_cell_key(spec, budget)]).astype(np.float64)
+        mean = float(np.nanmean(values))
+        rows.append({"policy": spec, "budget": budget, "nll": mean, "perplexity": math.exp(mean),
+                     "tokens": int(np.isfinite(values).sum())})
+    return {"machine": machine_info(), "policies": list(policies), "budgets": list(budgets), "context": context,
+            "continuation": continuation, "num_texts": num_texts, "dense_layers": dense_layers, "seed": seed,
+            "rows": rows, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def perplexity_table(result: dict) -> str:
+    """Rows = policies, columns = budgets: perplexity of the continuation (full's in every column)."""
+    budgets = result["budgets"]
+    cells = {(r["policy"], r["budget"]): r["perplexity"] for r in result["rows"]}
+    rows = []
+    for name in result["policies"]:
+        if name == "full":
+            rows.append([name] + [f"{cells[(name, None)]:.2f}"] * len(budgets))
+        else:
+            rows.append([name] + [f"{cells[(name, b)]:.2f}" if (name, b) in cells else "" for b in budgets])
+    return (f"Decode perplexity, {result['num_texts']} real-text windows, {result['context']} tokens prefilled, "
+            f"{result['continuation']} scored\n\n" + markdown_table(["policy"] + [f"budget {b}" for b in budgets], rows))
+
+
+def plot(result: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in result["policies"]:
+        cells = sorted((r for r in result["rows"] if r["policy"] == name), key=lambda r: r["budget"] or 0)
+        if name == "full":
+            ax.axhline(cells[0]["perplexity"], color="black", ls="--", label="full")
+        else:
+            ax.plot([r["budget"] for r in cells], [r["perplexity"] for r in cells], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("token budget")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"decode perplexity, {result['context']} + {result['continuation']} tokens")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> dict:
+    from .sweep import DEFAULT_POLICIES
+
+    parser = argparse.ArgumentParser(description="Decode perplexity on real text, every policy at every budget")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
+    parser.add_argument("--budgets", nargs="+", type=int, default=[128, 512])
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--continuation", type=int, default=128)
+    parser.add_argument("--texts", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=10)
+    parser.add_argument("--dense-layers", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=default_out("perplexity"))
+    parser.add_argument("--name", default="perplexity")
+    args = parser.parse_args(argv)
+
+    import kvjax
+    from kvjax.compilation_cache import enable_compilation_cache
+
+    enable_compilation_cache()
+    model = kvjax.load_model(args.model)
+    if model.tokenizer is None:
+        raise SystemExit(f"{args.model} has no tokenizer; perplexity on real text needs one")
+    result = perplexity_sweep(model, args.policies, args.budgets, args.context, args.continuation, args.texts,
+                              args.batch_size, args.dense_layers, args.seed)
+    result["model"] = args.model
+    table = perplexity_table(result)
+    paths = write_outputs(args.out, args.name, result, table)
+    paths["png"] = plot(result, f"{args.out}/{args.name}.png")
+    print(table)
+    print(json.dumps(paths), file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()

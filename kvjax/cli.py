@@ -75,7 +75,7 @@ BENCHMARKS = {
     "attention": "kvjax.eval.bench_attention", "serving": "kvjax.eval.bench_serving",
     "memory": "kvjax.eval.bench_memory", "sweep": "kvjax.eval.sweep", "cacheclip": "kvjax.eval.bench_cacheclip",
     "model-accuracy": "kvjax.eval.model_accuracy", "locret-quality": "kvjax.eval.locret_quality",
-    "real": "kvjax.eval.bench_real",
+    "real": "kvjax.eval.bench_real", "perplexity": "kvjax.eval.perplexity",
     "suite": "kvjax.eval.suite", "compare": "kvjax.eval.compare",
 }
 TRAINERS = {"locret": "kvjax.train.locret", "default-model": "kvjax.train.train_default_model"}

@@ -392,22 +392,34 @@ def generate_rows(
     )
 
 
+@jax.jit
+def _token_nll(logits, tokens):
+    """-log p(tokens[b]) under `logits f32[B, V]`: f32[B]."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logprobs, tokens[:, None], axis=1)[:, 0]
+
+
 def feed_tokens(
     model: Model, state: KVState, logits: jax.Array, rows: Sequence[np.ndarray], policy: Policy,
-    backend: StepBackend | None = None,
-) -> tuple[KVState, jax.Array]:
+    backend: StepBackend | None = None, return_nll: bool = False, progress: bool = False,
+):
     """Feed each sequence its own `rows[b]` tokens one decode step at a time (ragged: a row that has run out
     appends nothing while the others go on). `logits f32[B, V]` are the state's last logits; returns the
-    state and the logits after each row's last fed token. Donates `state`."""
+    state and the logits after each row's last fed token, and with `return_nll` also `f32[B, T]`: each fed
+    token's negative log-likelihood under the logits before it (NaN past a row's end), the decode-time
+    perplexity of StreamingLLM and H2O. `progress` shows a bar over the steps. Donates `state`."""
     backend = backend or LOCAL_BACKEND
     lengths = np.array([len(r) for r in rows], np.int32)
-    for j in range(int(lengths.max(initial=0))):
+    nll = np.full((len(rows), int(lengths.max(initial=0))), np.nan, np.float32)
+    for j in tqdm(range(int(lengths.max(initial=0))), desc="decode", unit="token", disable=not progress, leave=False):
         tokens = np.array([r[j] if j < len(r) else 0 for r in rows], np.int32)
+        if return_nll:
+            nll[:, j] = np.where(j < lengths, np.asarray(_token_nll(logits, jnp.asarray(tokens))), np.nan)
         state, _, logits = backend.append_step(
             model.params, state, None, backend.put(tokens[:, None]), backend.put((j < lengths).astype(np.int32)),
             logits, None, cfg=model.cfg, dtype=model.dtype, policy=policy,
         )
-    return state, logits
+    return (state, logits, nll) if return_nll else (state, logits)
 
 
 def continue_rows(

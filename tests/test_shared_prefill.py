@@ -105,3 +105,22 @@ def test_errors_name_the_policy(shared):
         derive(model, prefilled, locret)
     with pytest.raises(ValueError, match="snapkv.*did not gather"):
         derive(model, prefilled, kvjax.make_policy("snapkv", token_budget=32, window=64, kernel_size=3))
+
+
+def test_fed_tokens_nll_equals_dense_forward(shared):
+    """feed_tokens' per-token NLL (the decode perplexity) under the full cache equals the dense forward's."""
+    import jax
+
+    from kvjax.generation import feed_tokens
+
+    model, contexts, _, prefilled = shared
+    policy = kvjax.make_policy("full")
+    continuation = [random_tokens(40, (6,)), random_tokens(41, (4,))]  # ragged: NaN past a row's end
+    state, logits = derive(model, prefilled, policy)
+    _, _, nll = feed_tokens(model, state, logits, continuation, policy, return_nll=True)
+    assert nll.shape == (2, 6) and np.isnan(nll[1, 4:]).all()
+    for b, (context, tokens) in enumerate(zip(contexts, continuation)):
+        full = np.asarray(context + list(tokens))[None]
+        logprobs = jax.nn.log_softmax(kvjax.forward_logits(model, full)[0], axis=-1)
+        expected = [-float(logprobs[len(context) - 1 + j, int(t)]) for j, t in enumerate(tokens)]
+        np.testing.assert_allclose(nll[b, : len(tokens)], expected, rtol=1e-4, atol=1e-4)
