@@ -2,8 +2,8 @@
 
 Every cell is one policy at one token budget (`full` once per length) on `eval.retrieval`'s protocol
 (question fed by decode, after compression). Each batch of samples is prefilled once and every cell that
-compresses after prefill is derived from that state (`kvjax.shared_prefill`); the run resumes by batch. Decode latency per policy is timed on the same prompts
-(`time_decode`). Plots are drawn from the JSON: accuracy against budget (one panel per task and length)
+compresses after prefill is derived from that state (`kvjax.shared_prefill`); the run resumes by batch.
+Decode latency per policy is timed on the task's prompts (`time_decodes`). Plots are drawn from the JSON: accuracy against budget (one panel per task and length)
 and decode latency against context length.
 
     python -m eval.sweep --model tiny --lengths 1024 2048 --budgets 64 128 256 --samples 50
@@ -49,23 +49,29 @@ def build_policy(spec: str, budget: int | None, dense_layers: int = DEFAULT_DENS
     return kvjax.make_policy(name, **{"token_budget": int(budget), "dense_layers": dense_layers, **parsed})
 
 
-def time_decode(model, policy, prompts: Sequence[Sequence[int]], steps: int = 16) -> dict:
-    """Prefill `prompts`, then time `steps` decode steps after one warm-up step: ms per step (median)."""
-    import kvjax
+def time_decodes(model, policies: dict, prompts: Sequence[Sequence[int]], steps: int = 16) -> dict:
+    """Prefill `prompts` once (`kvjax.shared_prefill`), derive each of `policies` ({key: Policy}), then time
+    `steps` decode steps after one warm-up step: {key: {decode_ms_per_step (median), decode_tokens_per_s, batch}}."""
+    from kvjax.generation import feed_tokens
+    from kvjax.shared_prefill import derive, shared_prefill
 
-    state, logits = kvjax.prefill(model, prompts, policy, max_new_tokens=steps + 8)
-    token = np.asarray(jax.numpy.argmax(logits, -1))
-    logits, state = kvjax.decode_step(model, state, token, policy)  # compile + warm-up
-    jax.block_until_ready(logits)
-    times = []
-    for _ in range(steps):
-        token = np.asarray(jax.numpy.argmax(logits, -1))
-        started = time.perf_counter()
-        logits, state = kvjax.decode_step(model, state, token, policy)
+    shared = shared_prefill(model, prompts, list(policies.values()), reserve_tokens=steps + 8)
+    out = {}
+    for key, policy in policies.items():
+        state, logits = derive(model, shared, policy)
+        token = np.asarray(jax.numpy.argmax(logits, -1))[:, None]
+        state, logits = feed_tokens(model, state, logits, token, policy)  # compile + warm-up
         jax.block_until_ready(logits)
-        times.append(time.perf_counter() - started)
-    ms = 1e3 * statistics.median(times)
-    return {"decode_ms_per_step": ms, "decode_tokens_per_s": len(prompts) * 1e3 / ms, "batch": len(prompts)}
+        times = []
+        for _ in range(steps):
+            token = np.asarray(jax.numpy.argmax(logits, -1))[:, None]
+            started = time.perf_counter()
+            state, logits = feed_tokens(model, state, logits, token, policy)
+            jax.block_until_ready(logits)
+            times.append(time.perf_counter() - started)
+        ms = 1e3 * statistics.median(times)
+        out[key] = {"decode_ms_per_step": ms, "decode_tokens_per_s": len(prompts) * 1e3 / ms, "batch": len(prompts)}
+    return out
 
 
 def sweep_cells(policies: Sequence[str], budgets: Sequence[int]) -> list[tuple[str, int | None]]:
@@ -81,7 +87,7 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
               lengths: Sequence[int] = (2048,), tasks: Sequence[str] = ("passkey", "multikey"), num_samples: int = 20,
               num_records: int = 4, seed: int = 0, dense_layers: int = DEFAULT_DENSE_LAYERS, batch_size: int = 8,
               latency: bool = True, progress: bool = True, checkpoint: str | None = None,
-              clear_compiled: bool = True, max_batches: int | None = None) -> dict:
+              clear_compiled: bool = True, max_batches: int | None = None, latency_batch: int = 1) -> dict:
     """Accuracy rows {task, length, policy, budget, accuracy, correct, samples} and latency rows.
 
     Each batch of samples is prefilled once, and every cell that compresses after prefill (or only
@@ -89,7 +95,8 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
     With `checkpoint` (a jsonl path) every finished batch is appended there with every cell's scores, and
     batches already in it (same setting) are not run again: a killed sweep resumes at the next batch, and
     `max_batches` bounds the batches run per (task, length) in this call (a long sweep spread over several
-    sessions: the tables report the samples done so far). `clear_compiled` drops JAX's compiled steps after
+    sessions: the tables report the samples done so far). With `latency`, decode speed per policy at the
+    largest budget is timed on `latency_batch` prompts (`time_decodes`). `clear_compiled` drops JAX's compiled steps after
     each (task, length) (long sweeps; the demo keeps them, so its latency pass reuses them)."""
     from tqdm import tqdm
 
@@ -157,13 +164,13 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
     latency_rows = []
     if latency:
         for n_tokens in tqdm(lengths, desc="latency", disable=not progress):
-            # the accuracy runs' batch shape, so the decode step compiled for them is reused
-            samples = retrieval.task_samples(model, tasks[0], n_tokens, batch_size, seed, num_records)
-            prompt = [retrieval.split_sample(model, s, tasks[0])[0] for s in samples]
-            for name in policies:
-                budget = None if name == "full" else max(budgets)
-                timing = time_decode(model, build_policy(name, budget, dense_layers), prompt)
-                latency_rows.append({"length": n_tokens, "policy": name, "budget": budget, **timing})
+            samples = retrieval.task_samples(model, tasks[0], n_tokens, latency_batch, seed, num_records)
+            prompts = [retrieval.split_sample(model, s, tasks[0])[0] for s in samples]
+            budget = max(budgets)
+            timed = time_decodes(model, {p: build_policy(p, None if p == "full" else budget, dense_layers)
+                                         for p in policies}, prompts)
+            latency_rows += [{"length": n_tokens, "policy": p, "budget": None if p == "full" else budget, **timed[p]}
+                             for p in policies]
     return {
         "machine": machine_info(), "policies": list(policies), "budgets": list(budgets), "lengths": list(lengths),
         "tasks": list(tasks), "num_samples": num_samples, "num_records": num_records, "dense_layers": dense_layers,
