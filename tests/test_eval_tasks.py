@@ -303,3 +303,21 @@ def test_default_model_recipe_sets_a_previous_token_head_and_trains():
         params, state, loss, _ = step(params, state, tokens, mask)
         losses.append(float(loss))
     assert losses[-1] < losses[0]
+
+
+def test_trace_needle_mass_and_kept_share(shipped):
+    """The traced attention mass is a distribution over the prompt (1 over every position, 0 over none, and
+    the last token's mass equals the dense attention's); the full cache keeps every needle token."""
+    from kvjax.eval import trace_needle
+
+    ids = shipped.tokenizer("the pass key is 1 2 3 . remember it . what is the pass key ?")["input_ids"]
+    everything = trace_needle.needle_attention(shipped, ids, np.arange(len(ids)))
+    np.testing.assert_allclose(everything, 1.0, atol=1e-5)
+    assert everything.shape == (shipped.cfg.num_layers, shipped.cfg.num_heads)
+    first = trace_needle.needle_attention(shipped, ids, np.arange(3))
+    assert (first >= 0).all() and (first <= 1).all() and not np.allclose(first, first.mean())
+    state, _ = kvjax.prefill(shipped, [ids], kvjax.make_policy("full"))
+    np.testing.assert_array_equal(trace_needle.kept_share(state, np.arange(3, 6)), 1.0)
+    state, _ = kvjax.prefill(shipped, [ids], kvjax.make_policy("streaming", token_budget=8, sink_size=2))
+    share = trace_needle.kept_share(state, np.arange(3, 6))
+    np.testing.assert_array_equal(share, 0.0)  # neither among the 2 sinks nor the 6 most recent

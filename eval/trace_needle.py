@@ -1,0 +1,179 @@
+"""Why a policy misses a needle: where full attention finds it, and whether each policy kept it there.
+
+For one real-text sample (`kvjax.tasks.needles`), the full model is run densely over context + question
+and, per layer and query head, the attention mass that the question's last token (the one whose logits
+give the first answer token) puts on the asked needle's tokens is recorded: the heads that retrieve.
+Then each policy's state after compression is derived from one shared prefill of the context, and, per
+layer and kv head, the share of the needle's tokens it kept is read from `kvjax.compaction.kept_positions`.
+A policy that fails while its heads kept the needle lost it elsewhere (at decode, in Quest's page
+choice); one that evicted the needle in the retrieving heads lost it at compression. JSON, Markdown and a
+heatmap PNG (mass per head; kept share per head for each policy).
+
+    kvjax bench trace-needle --task real_passkey --length 2048 --sample 3 --policies snapkv h2o quest --budget 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._report import default_out, markdown_table, write_outputs
+
+
+def needle_span(model, sample) -> np.ndarray:
+    """int[N]: context positions of the asked needle's tokens (its sentence, as tokenized in place)."""
+    from kvjax.tasks import needles
+
+    if sample.task == "passkey":
+        text = needles.PASSKEY_NEEDLE.format(key=sample.answer)
+    else:
+        text = needles.RULER_NEEDLE.format(key=sample.key, value=sample.answer)
+    length = len(model.tokenizer(" " + text, add_special_tokens=False)["input_ids"])
+    start = sample.needle_positions[0]
+    return np.arange(start, min(start + length, len(sample.context_ids)))
+
+
+def needle_attention(model, prompt_ids, span: np.ndarray) -> np.ndarray:
+    """f32[L, Hq]: per layer and query head, the attention mass the last prompt token puts on `span`."""
+    from kvjax.models import CausalLM
+    from kvjax.models.transformer import unrolled
+    from kvjax.rope import rope_frequencies
+
+    cfg = model.cfg
+    tokens = jnp.asarray(np.asarray(prompt_ids, np.int32)[None])
+    T = tokens.shape[1]
+    positions = jnp.arange(T, dtype=jnp.int32)[None]
+    mask = jnp.zeros((T,), bool).at[jnp.asarray(span)].set(True)
+    masses = []
+
+    def attend(layer, inputs, carry):
+        from kvjax.attention import dense_causal_attention
+
+        q = inputs.q[0, -1].astype(jnp.float32)  # [Hq, D]
+        k = jnp.repeat(inputs.k[0].astype(jnp.float32), cfg.num_heads // cfg.num_kv_heads, axis=1)  # [T, Hq, D]
+        probs = jax.nn.softmax(jnp.einsum("hd,thd->ht", q, k) * cfg.head_dim**-0.5, axis=-1)
+        masses.append(np.asarray((probs * mask[None]).sum(-1)))
+        return dense_causal_attention(inputs.q, inputs.k, inputs.v), carry
+
+    CausalLM(cfg, model.dtype).apply(
+        {"params": model.params}, tokens, positions, rope_frequencies(cfg, False), unrolled(attend, cfg.num_layers),
+        None, method=CausalLM.hidden_and_logits,
+    )
+    return np.stack(masses)
+
+
+def kept_share(state, span: np.ndarray) -> np.ndarray:
+    """f32[L, H]: per layer and kv head of sequence 0, the share of `span`'s positions the state holds."""
+    from kvjax.compaction import kept_positions
+
+    kept = kept_positions(state)
+    return np.array([[np.isin(span, kept[l][0][h]).mean() for h in range(len(kept[l][0]))]
+                     for l in range(len(kept))])
+
+
+def trace(model, task: str, length: int, sample_index: int, policies, budget: int, dense_layers: int = 0,
+          seed: int = 0) -> dict:
+    from kvjax.generation import continue_rows
+    from kvjax.shared_prefill import derive, shared_prefill
+
+    from . import retrieval
+    from .sweep import build_policy
+
+    sample = retrieval.task_samples(model, task, length, sample_index + 1, seed)[sample_index]
+    span = needle_span(model, sample)
+    mass = needle_attention(model, sample.context_ids + sample.question_ids, span)
+    context, question, max_new = retrieval.split_sample(model, sample, task)
+    built = {p: build_policy(p, None if p == "full" else budget, dense_layers) for p in ("full", *policies)}
+    shared = shared_prefill(model, [context], list(built.values()), reserve_tokens=len(question) + max_new)
+    out = {"task": task, "length": length, "sample": sample_index, "budget": budget, "depth": sample.depth,
+           "answer": sample.answer, "needle_tokens": [int(span[0]), int(span[-1])], "mass": mass.tolist(), "policies": {}}
+    for name, policy in built.items():
+        state, logits = derive(model, shared, policy)
+        share = kept_share(state, span)
+        tokens = continue_rows(model, state, logits, [np.asarray(question, np.int32)], max_new, policy)
+        scored = retrieval.score_sample(model, sample, task, length, tokens[0])
+        out["policies"][name] = {"kept_share": share.tolist(), "answer_text": scored.text,
+                                 "score": scored.score if scored.score is not None else float(scored.correct)}
+    return out
+
+
+def trace_table(result: dict) -> str:
+    mass = np.asarray(result["mass"])  # [L, Hq]
+    per_layer = mass.max(axis=1)
+    top = np.argsort(per_layer)[::-1][:5]
+    rows = []
+    for name, r in result["policies"].items():
+        share = np.asarray(r["kept_share"])  # [L, H]
+        G = mass.shape[1] // share.shape[1]
+        head_mass = mass.reshape(mass.shape[0], share.shape[1], G).sum(-1)  # [L, H]
+        weighted = float((share * head_mass).sum() / head_mass.sum())
+        rows.append([name, f"{r['score']:.2f}", repr(r["answer_text"][:40]), f"{100 * share.mean():.0f}%",
+                     f"{100 * weighted:.0f}%", " ".join(f"{100 * share[l].mean():.0f}" for l in top)])
+    head = (f"Needle trace: {result['task']}, {result['length']} tokens, sample {result['sample']} (depth "
+            f"{result['depth']:.2f}, answer {result['answer']}), budget {result['budget']}. Layers where the question's "
+            f"last token puts the most mass on the needle: {', '.join(f'{l} ({per_layer[l]:.2f})' for l in top)}\n\n")
+    return head + markdown_table(
+        ["policy", "score", "answer", "needle kept (all heads)", "kept, weighted by needle mass",
+         "kept % in the top layers"], rows)
+
+
+def plot(result: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in result["policies"] if n != "full"]
+    fig, axes = plt.subplots(1, 1 + len(names), figsize=(2.6 * (1 + len(names)), 4.2), squeeze=False)
+    ax = axes[0][0]
+    im = ax.imshow(np.asarray(result["mass"]), aspect="auto", cmap="viridis")
+    ax.set_title("needle mass (full)")
+    ax.set_xlabel("query head")
+    ax.set_ylabel("layer")
+    fig.colorbar(im, ax=ax, fraction=0.05)
+    for ax, name in zip(axes[0][1:], names):
+        ax.imshow(np.asarray(result["policies"][name]["kept_share"]), aspect="auto", cmap="Greens", vmin=0, vmax=1)
+        ax.set_title(f"{name}: kept (score {result['policies'][name]['score']:.0f})", fontsize=8)
+        ax.set_xlabel("kv head")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> dict:
+    from . import retrieval
+
+    parser = argparse.ArgumentParser(description="Where full attention finds a needle and which policies kept it")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--task", default="real_passkey", choices=list(retrieval.REAL_TASKS))
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--sample", type=int, default=0)
+    parser.add_argument("--policies", nargs="+", default=["quest", "snapkv", "ada_snapkv", "h2o", "streaming"])
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--dense-layers", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=default_out("trace_needle"))
+    parser.add_argument("--name", default=None)
+    args = parser.parse_args(argv)
+
+    import kvjax
+
+    model = kvjax.load_model(args.model)
+    result = trace(model, args.task, args.length, args.sample, args.policies, args.budget, args.dense_layers, args.seed)
+    name = args.name or f"{args.task}_{args.length}_s{args.sample}_b{args.budget}"
+    table = trace_table(result)
+    paths = write_outputs(args.out, name, result, table)
+    paths["png"] = plot(result, f"{args.out}/{name}.png")
+    print(table)
+    print(json.dumps(paths), file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()
