@@ -223,7 +223,10 @@ class CausalLM(nn.Module):
     def logits(self, hidden):
         """`[..., H] -> f32[..., V]`."""
         if self.cfg.tie_word_embeddings:
-            out = self.embed_tokens.attend(hidden)
+            # contract the embedding's hidden axis in place: flax's `Embed.attend` (`hidden @ embedding.T`)
+            # made XLA:CPU copy the transposed [H, V] table at every decode step (113 MB for SmolLM2)
+            embedding = self.embed_tokens.embedding.astype(self.dtype)
+            out = jnp.einsum("...h,vh->...v", hidden.astype(self.dtype), embedding)
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)
