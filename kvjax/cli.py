@@ -76,7 +76,7 @@ BENCHMARKS = {
     "memory": "kvjax.eval.bench_memory", "sweep": "kvjax.eval.sweep", "cacheclip": "kvjax.eval.bench_cacheclip",
     "model-accuracy": "kvjax.eval.model_accuracy", "locret-quality": "kvjax.eval.locret_quality",
     "real": "kvjax.eval.bench_real", "perplexity": "kvjax.eval.perplexity",
-    "trace-needle": "kvjax.eval.trace_needle",
+    "trace-needle": "kvjax.eval.trace_needle", "locret-labels": "kvjax.eval.bench_locret_labels",
     "suite": "kvjax.eval.suite", "compare": "kvjax.eval.compare",
 }
 TRAINERS = {"locret": "kvjax.train.locret", "default-model": "kvjax.train.train_default_model"}

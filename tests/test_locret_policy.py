@@ -1,5 +1,6 @@
 """The Locret policy: keeps the retaining heads' top slots per chunk, holds the tail, stays O(budget + chunk)."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -8,6 +9,7 @@ from conftest import random_tokens
 from kvjax.compaction import kept_positions, memory_report
 from kvjax.compile_count import count_compiles
 from kvjax.locret import HeadsConfig, export_safetensors, init_heads, save_heads
+from kvjax.locret import heads as heads_module
 from test_locret_training import dense_capture
 from test_state import check_invariants
 
@@ -155,3 +157,34 @@ def test_heads_must_fit_the_model(setup):
     wrong = init_heads(HeadsConfig(2, 4, 2, 8, 16))
     with pytest.raises(ValueError, match="input features"):
         kvjax.generate(model, random_tokens(0, (1, 40)), max_new_tokens=1, policy=_policy(wrong))
+
+
+def test_heads_by_model_name(setup, tmp_path, monkeypatch):
+    """heads="NAME" loads kvjax/assets/locret-heads/NAME.safetensors (bfloat16); a name with no shipped heads
+    says how to train them."""
+    model, heads = setup
+    monkeypatch.setattr(heads_module, "shipped_heads_path", lambda name: str(tmp_path / f"{name}.safetensors"))
+    with pytest.raises(FileNotFoundError, match=r"shipped: none.*kvjax train locret --model my-model "):
+        _policy("my-model")
+    export_safetensors(heads, tmp_path / "my-model.safetensors", "bfloat16")
+    assert heads_module.shipped_heads() == ["my-model"]
+    policy = _policy("my-model")
+    assert policy.heads.config == heads.config
+    for layer in range(model.cfg.num_layers):
+        for name in ("w1", "w2"):
+            np.testing.assert_array_equal(np.asarray(policy.heads.layer(layer)[name]),
+                                          np.asarray(heads.layer(layer)[name].astype("bfloat16")))
+    _prefill(model, random_tokens(11, (1, CHUNK + TAIL)), policy)  # bfloat16 heads score a float32 model
+    with pytest.raises(FileNotFoundError, match=r"do not exist .*ship for: my-model; `kvjax train locret`"):
+        _policy(str(tmp_path / "elsewhere" / "heads.safetensors"))  # a path, not a name
+
+
+def test_shipped_tiny_heads_load_by_name():
+    model = kvjax.load_model("tiny")
+    assert "tiny" in heads_module.shipped_heads()
+    policy = kvjax.make_policy("locret", heads="tiny", token_budget=48, stabilizers=8, local_tail=8)
+    policy.heads.config.check_model(model.cfg)
+    assert all(w.dtype == "bfloat16" for w in jax.tree_util.tree_leaves(policy.heads.params))
+    tokens = np.asarray(model.tokenizer(" ".join(["the sky is blue ."] * 40))["input_ids"], np.int32)[None]
+    state, _ = kvjax.prefill(model, tokens, policy=policy, chunk_size=64, max_new_tokens=2)
+    assert {len(p) for layer in kept_positions(state) for p in layer[0]} == {48}

@@ -1,4 +1,5 @@
-"""Locret training: labels against numpy, a short run whose loss falls, exact resume, bad rows skipped."""
+"""Locret training: labels against numpy (and blocked over the answer), a short run whose loss falls, exact
+resume, bad rows skipped, bfloat16 train steps, the bfloat16 safetensors export."""
 
 import json
 import os
@@ -12,8 +13,8 @@ import kvjax
 from conftest import random_tokens
 from kvjax.locret import HeadsConfig, init_heads, load_heads, retaining_scores
 from kvjax.locret.data import build_examples, make_batch
-from kvjax.locret.labels import Batch, compute_targets
-from kvjax.locret.training import head_loss
+from kvjax.locret.labels import Batch, answer_logit_max, compute_targets
+from kvjax.locret.training import head_loss, loss_fn, make_optimizer, make_train_step
 from kvjax.models import CausalLM, unrolled
 from kvjax.rope import rope_frequencies
 from kvjax.attention import dense_causal_attention
@@ -122,11 +123,14 @@ def test_training_loss_falls_and_heads_load(full_run):
     assert len(losses) == 10 and all(np.isfinite(losses))
     assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
     assert summary["steps_per_second"] > 0 and summary["tokens_per_second"] > 0
+    assert os.path.getsize(os.path.join(out, "loss.png")) > 0
     saved, exported = load_heads(os.path.join(out, "heads")), load_heads(os.path.join(out, "heads.safetensors"))
     assert saved.config == exported.config == HeadsConfig.for_model(kvjax.load_model(TINY).cfg, 32)
     for layer in range(saved.config.num_layers):
         for name in ("w1", "w2"):
-            np.testing.assert_array_equal(np.asarray(saved.layer(layer)[name]), np.asarray(exported.layer(layer)[name]))
+            assert saved.layer(layer)[name].dtype == jnp.float32 and exported.layer(layer)[name].dtype == jnp.bfloat16
+            np.testing.assert_array_equal(np.asarray(saved.layer(layer)[name].astype(jnp.bfloat16)),
+                                          np.asarray(exported.layer(layer)[name]))
 
 
 def test_killed_run_resumes_exactly(full_run, tmp_path):
@@ -153,3 +157,49 @@ def test_examples_truncate_and_batch(tmp_path):
     assert batch.prefix.shape == (1, 64) and batch.answer.shape == (1, 8)
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         build_examples(str(tmp_path / "missing.jsonl"), tokenizer, progress=False)
+
+
+def test_answer_labels_in_blocks_match_one_block():
+    rng = np.random.default_rng(0)
+    B, A, Hq, H, S, D = 2, 11, 6, 2, 40, 8
+    q, k = rng.normal(size=(B, A, Hq, D)).astype(np.float32), rng.normal(size=(B, H, S, D)).astype(np.float32)
+    answer_real = np.arange(A)[None] < np.array([[11], [5]])
+    key_real = rng.random((B, H, S)) < 0.8
+    qg = q.reshape(B, A, H, Hq // H, D)
+    s = np.einsum("bahgd,bhsd->bhgas", qg, k) / np.sqrt(D)
+    s = np.where(answer_real[:, None, None, :, None], s, -np.inf)
+    expected = np.where(key_real, s.max(axis=(2, 3)), 0.0)
+    for block in (1, 3, 4, 64):  # 3 and 4 leave a padded last block
+        got = answer_logit_max(jnp.asarray(q), jnp.asarray(answer_real), jnp.asarray(k), jnp.asarray(key_real), block)
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads_dtype", [jnp.float32, jnp.bfloat16])
+def test_bfloat16_train_steps(hf_models, heads_dtype):
+    """A bfloat16 model: the loss is finite and close to float32's, every head moves, dtypes stay."""
+    path = hf_models("llama_gqa_llama3")[1]
+    model, model32 = kvjax.load_model(path, dtype="bfloat16"), kvjax.load_model(path)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(model.params))
+    prefix, answer = random_tokens(4, (2, 32)), random_tokens(5, (2, 8))
+    batch = Batch(*(jnp.asarray(x) for x in (prefix, np.array([32, 19], np.int32), answer, np.array([8, 5], np.int32))))
+    heads = init_heads(HeadsConfig.for_model(model.cfg, 16), seed=2, dtype=heads_dtype).params
+    before = jax.tree_util.tree_map(np.asarray, heads)
+
+    loss16 = loss_fn(heads, model.params, batch, cfg=model.cfg, dtype=model.dtype, chunk_size=16)
+    loss32 = loss_fn(jax.tree_util.tree_map(lambda w: w.astype(jnp.float32), heads), model32.params, batch,
+                     cfg=model.cfg, dtype=jnp.float32, chunk_size=16)
+    assert loss16.dtype == jnp.float32 and abs(float(loss16) - float(loss32)) < 0.05 * float(loss32), (loss16, loss32)
+
+    optimizer = make_optimizer(learning_rate=1e-2, total_steps=3, warmup_steps=0)
+    step = make_train_step(optimizer, cfg=model.cfg, dtype=model.dtype, chunk_size=16)
+    opt_state = optimizer.init(heads)
+    losses = []
+    for _ in range(3):
+        heads, opt_state, loss = step(heads, opt_state, model.params, batch)
+        losses.append(float(loss))
+    assert np.all(np.isfinite(losses)), losses
+    for layer, params in heads.items():
+        for name, w in params.items():
+            assert w.dtype == heads_dtype, (layer, name, w.dtype)
+            assert np.abs(np.asarray(w, np.float32) - before[layer][name].astype(np.float32)).max() > 0, (layer, name)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(model.params))

@@ -2,16 +2,23 @@
 
     python -m train.locret --model DIR --data Yukang/LongAlpaca-12k --out runs/locret
     python -m train.locret --model kvjax/assets/tiny-llama --data rows.jsonl --steps 200 --warmup 50
+    kvjax train locret --model smollm2-135m --data kvjax:real-text --data-rows 600 --max-length 8192 --hidden 128
 
+`--model`: a Hugging Face directory, a `.gguf` file, `tiny` or a registered name (`kvjax fetch NAME`).
 Data: LongAlpaca's fields (`instruction`, `output`) from the hub or a local json / jsonl / parquet file;
-bad rows are skipped and counted. Each step computes labels through kvjax's chunked-prefill forward of
-the frozen model and takes one AdamW step on the heads (DESIGN.md's defaults: lr 5e-4, betas 0.9 / 0.95,
-warm-up 2000 of 3000 steps, clip by value 0.5, batch 1, sequences cut to 10240 tokens).
+bad rows are skipped and counted. `--data kvjax:real-text` builds the offline recipe in memory with the
+model's tokenizer (`kvjax.tasks.longalpaca.real_text_rows`: spans of long real text to continue or quote;
+`python -m train.locret_data` writes the same rows to a file). Each step computes labels through kvjax's
+chunked-prefill forward of the frozen model and takes one AdamW step on the heads (DESIGN.md's defaults:
+lr 5e-4, betas 0.9 / 0.95, warm-up 2000 of 3000 steps, clip by value 0.5, batch 1, sequences cut to 10240
+tokens).
 
 Outputs in `--out`: `metrics.jsonl` (one line per step), `checkpoints/` (orbax CheckpointManager, every
 `--save-every` steps), and at the end `heads/` (orbax, for `make_policy("locret", heads=...)`),
-`heads.safetensors` and `summary.json` (throughput over steps that did not compile). A run started again with the same `--out` resumes
-from its latest checkpoint and repeats exactly what an uninterrupted run does.
+`heads.safetensors` (`--export-dtype`, bfloat16 by default: the format of the heads kvjax ships, so the
+file can be dropped in as `kvjax/assets/locret-heads/MODEL.safetensors`), `summary.json` (throughput over
+steps that did not compile) and `loss.png` (the loss curve of `metrics.jsonl`). A run started again with
+the same `--out` resumes from its latest checkpoint and repeats exactly what an uninterrupted run does.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import os
 import sys
 import time
 
+REAL_TEXT = "kvjax:real-text"  # --data: the offline recipe on long real text, built in memory
 DEFAULTS = dict(
     steps=3000, warmup=2000, lr=5e-4, b1=0.9, b2=0.95, weight_decay=0.01, clip=0.5, alpha=0.0025,
     batch_size=1, max_length=10240, max_answer=512, chunk_size=1024, hidden=1024, save_every=500,
@@ -31,8 +39,13 @@ DEFAULTS = dict(
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvjax train locret", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="local Hugging Face model directory (frozen)")
-    p.add_argument("--data", required=True, help="hub dataset name or a local .json/.jsonl/.parquet file")
+    p.add_argument("--model", required=True, help="the frozen model: HF directory, .gguf, tiny or a registered name")
+    p.add_argument("--data", required=True,
+                   help=f"hub dataset name, a local .json/.jsonl/.parquet file, or {REAL_TEXT} (the offline recipe)")
+    p.add_argument("--data-rows", type=int, default=600, help=f"rows {REAL_TEXT} builds")
+    p.add_argument("--data-lengths", type=int, nargs="+", default=[2048, 4096, 8192],
+                   help=f"document lengths in tokens {REAL_TEXT} cycles through")
+    p.add_argument("--data-seed", type=int, default=0, help=f"seed of the {REAL_TEXT} rows")
     p.add_argument("--split", default="train", help="hub split (default train)")
     p.add_argument("--out", default="runs/locret", help="output directory (resumed when it holds checkpoints)")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
@@ -49,6 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=DEFAULTS["chunk_size"], help="prefill chunk of the label forward")
     p.add_argument("--hidden", type=int, default=DEFAULTS["hidden"], help="retaining-head hidden size")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model compute dtype")
+    p.add_argument("--export-dtype", choices=["float32", "bfloat16"], default="bfloat16", help="heads.safetensors dtype")
     p.add_argument("--save-every", type=int, default=DEFAULTS["save_every"], help="checkpoint every N steps")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept")
     p.add_argument("--limit", type=int, default=None, help="use at most this many examples")
@@ -57,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # simulate a kill (tests)
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "chunk_size", "hidden", "save_every", "max_length", "max_answer"):
+    for name in ("steps", "batch_size", "chunk_size", "hidden", "save_every", "max_length", "max_answer", "data_rows"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.warmup <= args.steps:
@@ -104,6 +118,34 @@ def _truncate_metrics(path: str, last_step: int) -> None:
         f.writelines(lines)
 
 
+def plot_losses(metrics_path: str, png: str, title: str = "Locret heads") -> str:
+    """The loss per step of `metrics.jsonl` (and its running mean over 50 steps) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    steps, losses = np.array([r["step"] for r in rows]), np.array([r["loss"] for r in rows])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, losses, lw=0.6, alpha=0.5, label="loss")
+    window = min(50, len(losses))
+    if window > 1:
+        mean = np.convolve(losses, np.ones(window) / window, mode="valid")
+        ax.plot(steps[window - 1 :], mean, lw=1.5, label=f"mean of {window}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("Smooth-L1 + alpha * smoothness")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -120,8 +162,14 @@ def main(argv=None) -> dict:
     model = kvjax.load_model(args.model, dtype=args.dtype)
     if model.tokenizer is None:
         raise SystemExit(f"{args.model!r} has no tokenizer; training needs one to read the data")
+    source = args.data
+    if args.data == REAL_TEXT and not os.path.exists(args.data):
+        from kvjax.tasks.longalpaca import real_text_rows
+
+        source = real_text_rows(model.tokenizer, args.data_rows, args.data_lengths, args.data_seed,
+                                progress=not args.no_progress)
     examples, skipped = build_examples(
-        args.data, model.tokenizer, args.max_length, args.max_answer, args.split, args.limit, not args.no_progress
+        source, model.tokenizer, args.max_length, args.max_answer, args.split, args.limit, not args.no_progress
     )
     if skipped:
         print(f"skipped {sum(skipped.values())} bad rows: {dict(skipped)}", file=sys.stderr)
@@ -197,10 +245,12 @@ def main(argv=None) -> dict:
     }
     if args.stop_after is None:
         final = RetainingHeads(config, heads)
-        save_heads(os.path.join(args.out, "heads"), final, extra={"model": os.path.abspath(args.model), "steps": args.steps})
-        export_safetensors(final, os.path.join(args.out, "heads.safetensors"))
+        model_name = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
+        save_heads(os.path.join(args.out, "heads"), final, extra={"model": model_name, "steps": args.steps})
+        export_safetensors(final, os.path.join(args.out, "heads.safetensors"), args.export_dtype)
         with open(os.path.join(args.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        plot_losses(metrics_path, os.path.join(args.out, "loss.png"), title=f"Locret heads for {model_name}")
     return summary
 
 

@@ -2,7 +2,8 @@
 
 A row has `instruction` (the long document and the question) and `output` (the answer); an Alpaca-style
 `input`, when present and non-empty, is appended to the instruction. Sources: a hub name passed to
-`datasets.load_dataset` (e.g. `Yukang/LongAlpaca-12k`), or a local `.json`, `.jsonl` or `.parquet` file.
+`datasets.load_dataset` (e.g. `Yukang/LongAlpaca-12k`), a local `.json`, `.jsonl` or `.parquet` file, or
+rows built in memory (`kvjax.tasks.longalpaca.real_text_rows`, the offline recipe on long real text).
 Bad rows (a missing or non-string field, an empty answer, text that tokenizes to nothing) are skipped
 and counted by reason, never raised.
 """
@@ -118,7 +119,7 @@ def truncate(prefix: list, answer: list, max_length: int, max_answer: int) -> tu
 
 
 def build_examples(
-    source: str,
+    source: str | list,
     tokenizer,
     max_length: int = 10240,
     max_answer: int = 512,
@@ -126,13 +127,14 @@ def build_examples(
     limit: int | None = None,
     progress: bool = True,
 ) -> tuple[list[Example], collections.Counter]:
-    """Tokenized examples and the count of skipped rows by reason."""
+    """Tokenized examples and the count of skipped rows by reason. `source` is what `load_rows` reads, or
+    the rows themselves (e.g. `kvjax.tasks.longalpaca.real_text_rows`)."""
     from tqdm import tqdm
 
     if max_answer < 1 or max_length <= max_answer:
         raise ValueError(f"need 1 <= max_answer < max_length, got max_answer={max_answer}, max_length={max_length}")
     skipped: collections.Counter = collections.Counter()
-    rows = load_rows(source, split, skipped)
+    rows = load_rows(source, split, skipped) if isinstance(source, (str, os.PathLike)) else list(source)
     examples = []
     for row in tqdm(rows, desc="tokenizing", disable=not progress, unit="row"):
         text = row_text(row, skipped)

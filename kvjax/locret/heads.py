@@ -8,7 +8,7 @@ paper's design, hidden 1024 by default). `retaining_scores` is the one scoring f
 The heads are parameters apart from the frozen model: a dict `{"layer_{l}": {"w1": [F, hidden],
 "w2": [hidden, H]}}`, wrapped in `RetainingHeads` with the shape they were built for. They save and
 restore with orbax (`save_heads` / `restore_heads`) and export to safetensors (`export_safetensors`);
-`load_heads` reads either.
+`load_heads` reads either, or the heads shipped for a model by its name (`kvjax/assets/locret-heads/`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from kvjax.config import ModelConfig
 META_FILE = "locret_heads.json"
 PARAMS_DIR = "params"
 DEFAULT_HIDDEN = 1024
+SHIPPED_DIR = "locret-heads"  # kvjax/assets/locret-heads/{model name}.safetensors, bfloat16
+SHIPPED_SUFFIX = ".safetensors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,13 +161,16 @@ def restore_heads(path: str | os.PathLike) -> RetainingHeads:
     return RetainingHeads(config, params)
 
 
-def export_safetensors(heads: RetainingHeads, file: str | os.PathLike) -> str:
-    """Write `layers.{l}.retaining_head.{w1,w2}` tensors (float32) with the config in the metadata."""
+def export_safetensors(heads: RetainingHeads, file: str | os.PathLike, dtype="float32") -> str:
+    """Write `layers.{l}.retaining_head.{w1,w2}` tensors in `dtype` ("float32" or "bfloat16", what the
+    shipped heads use) with the config in the metadata."""
     from safetensors.numpy import save_file
 
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"export dtype must be float32 or bfloat16, got {dtype!r}")
     file = os.fspath(file)
     tensors = {
-        f"layers.{l}.retaining_head.{name}": np.asarray(heads.layer(l)[name], np.float32)
+        f"layers.{l}.retaining_head.{name}": np.asarray(jnp.asarray(heads.layer(l)[name]).astype(dtype))
         for l in range(heads.config.num_layers)
         for name in ("w1", "w2")
     }
@@ -196,11 +201,47 @@ def _load_cached(path: str, mtime: float) -> RetainingHeads:
     return restore_heads(path)
 
 
+def shipped_heads_path(name: str) -> str:
+    """Where the heads shipped for model `name` live: `kvjax/assets/locret-heads/{name}.safetensors`
+    (they may not exist: `load_heads` says how to train them)."""
+    from importlib import resources
+
+    return str(resources.files("kvjax") / "assets" / SHIPPED_DIR / f"{name}{SHIPPED_SUFFIX}")
+
+
+def shipped_heads() -> list[str]:
+    """Names of the models whose heads ship with kvjax."""
+    directory = os.path.dirname(shipped_heads_path("x"))
+    if not os.path.isdir(directory):
+        return []
+    return sorted(n[: -len(SHIPPED_SUFFIX)] for n in os.listdir(directory) if n.endswith(SHIPPED_SUFFIX))
+
+
+def _resolve(path_or_name: str) -> str:
+    """An existing path as is; a model name with shipped heads -> their file; else FileNotFoundError
+    saying how to get heads (`kvjax train locret`)."""
+    if os.path.exists(path_or_name):
+        return os.path.abspath(path_or_name)
+    looks_like_name = os.sep not in path_or_name and not path_or_name.endswith(SHIPPED_SUFFIX)
+    if looks_like_name and os.path.isfile(shipped_heads_path(path_or_name)):
+        return shipped_heads_path(path_or_name)
+    shipped = ", ".join(shipped_heads()) or "none"
+    if looks_like_name:
+        raise FileNotFoundError(
+            f"no retaining heads ship for {path_or_name!r} (shipped: {shipped}) and no such path exists; "
+            f"train them with `kvjax train locret --model {path_or_name} --data ... --out runs/locret` and pass "
+            f"heads='runs/locret/heads.safetensors' (or copy that file to {shipped_heads_path(path_or_name)})"
+        )
+    raise FileNotFoundError(
+        f"retaining heads {os.path.abspath(path_or_name)!r} do not exist (heads by model name ship for: {shipped}; "
+        "`kvjax train locret` trains others)"
+    )
+
+
 def load_heads(path: str | os.PathLike) -> RetainingHeads:
-    """Heads from an orbax directory (`save_heads`) or a `.safetensors` export. Cached by path and
-    modification time, so policies built from the same path share one object (and one compile)."""
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"retaining heads {path!r} do not exist")
-    meta = path if path.endswith(".safetensors") else os.path.join(path, META_FILE)
+    """Heads from an orbax directory (`save_heads`), a `.safetensors` export, or the name of a model whose
+    heads ship with kvjax (`"tiny"`, `"smollm2-135m"`: `shipped_heads()`). Cached by path and modification
+    time, so policies built from the same path share one object (and one compile)."""
+    path = _resolve(os.fspath(path))
+    meta = path if path.endswith(SHIPPED_SUFFIX) else os.path.join(path, META_FILE)
     return _load_cached(path, os.path.getmtime(meta) if os.path.exists(meta) else 0.0)

@@ -6,6 +6,12 @@ k and v, what a retaining head reads) are taken as the prefix passes; the label 
 head h is the largest pre-softmax attention logit `q . k_j / sqrt(D)` (post-RoPE, as attention sees it)
 over every answer token's query and over h's GQA group. Prefix keys only: the answer's own keys get none.
 
+Memory is linear in the sequence: the prefix is attended chunk by chunk (`blocked_paged_attention`, one
+block of pages at a time), and the labels take `ANSWER_BLOCK` answer queries at a time against the
+layer's keys (`answer_logit_max`), so no `[heads, tokens, tokens]` tensor exists at any point. What grows
+with the prefix `Tp` is the cache (`2 * L * Tp * H * D`) and the recorded features and labels
+(`L * Tp * ((Hq + 2H) * D + H)`). `python -m eval.bench_locret_labels` measures the peak.
+
 Everything is a pure function of arrays (jit it; the model's parameters are not differentiated).
 """
 
@@ -23,6 +29,7 @@ from kvjax.rope import rope_frequencies, uses_long_factors
 from kvjax.state import allocate_for_append, append_to_layer, gather_layer, init_state
 
 _MASKED = -1e30
+ANSWER_BLOCK = 64  # answer queries scored at once in the label step
 
 
 class Batch(NamedTuple):
@@ -64,17 +71,33 @@ def _chunk(params, state, tokens, num_new, out, *, cfg: ModelConfig, dtype, rope
     return state.replace(next_position=state.next_position + num_new), out
 
 
-def answer_logit_max(q: jax.Array, answer_real: jax.Array, k: jax.Array, key_real: jax.Array) -> jax.Array:
+def answer_logit_max(
+    q: jax.Array, answer_real: jax.Array, k: jax.Array, key_real: jax.Array, answer_block: int = ANSWER_BLOCK
+) -> jax.Array:
     """max over real answer queries and over the GQA group of `q . k / sqrt(D)`: `f32[B, H, S]`.
 
     `q [B, A, Hq, D]` post-RoPE answer queries, `answer_real bool[B, A]`, `k [B, H, S, D]` keys in slot
-    order, `key_real bool[B, H, S]`. Entries of unreal keys are 0."""
+    order, `key_real bool[B, H, S]`. Entries of unreal keys are 0. The answer is visited `answer_block`
+    queries at a time with a running max, so the largest score tensor is `[B, H, G, answer_block, S]`,
+    whatever the answer's length (never `[.., A, S]`, nor anything `[.., S, S]`)."""
     B, A, Hq, D = q.shape
     H = k.shape[1]
-    qg = q.reshape(B, A, H, Hq // H, D)
-    s = jnp.einsum("bahgd,bhsd->bhgas", qg, k.astype(q.dtype), preferred_element_type=jnp.float32) * D**-0.5
-    s = jnp.where(answer_real[:, None, None, :, None], s, _MASKED)
-    best = s.max(axis=(2, 3))
+    a = min(answer_block, A)
+    blocks = -(-A // a)
+    pad = blocks * a - A
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    real = jnp.pad(answer_real, ((0, 0), (0, pad)))
+    qb = jnp.moveaxis(q.reshape(B, blocks, a, H, Hq // H, D), 1, 0)  # [blocks, B, a, H, G, D]
+    rb = jnp.moveaxis(real.reshape(B, blocks, a), 1, 0)  # [blocks, B, a]
+    k = k.astype(q.dtype)
+
+    def block(best, xs):
+        qg, r = xs
+        s = jnp.einsum("bahgd,bhsd->bhgas", qg, k, preferred_element_type=jnp.float32) * D**-0.5
+        s = jnp.where(r[:, None, None, :, None], s, _MASKED)
+        return jnp.maximum(best, s.max(axis=(2, 3))), None
+
+    best, _ = jax.lax.scan(block, jnp.full(k.shape[:3], _MASKED, jnp.float32), (qb, rb))
     return jnp.where(key_real, best, 0.0)
 
 
@@ -94,15 +117,14 @@ def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chun
     def record(layer, inputs, state, feats):
         return tuple(f.at[layer].set(x.astype(f.dtype)) for f, x in zip(feats, (inputs.q_pre, inputs.k_pre, inputs.v)))
 
-    chunks = []
-    for i in range(Tp // C):
+    def prefix_chunk(state, i):
         num_new = jnp.clip(batch.prefix_len - i * C, 0, C).astype(jnp.int32)
         feats = (jnp.zeros((L, B, C, Hq, D), dtype), jnp.zeros((L, B, C, H, D), dtype), jnp.zeros((L, B, C, H, D), dtype))
-        state, feats = _chunk(
-            model_params, state, batch.prefix[:, i * C : (i + 1) * C], num_new, feats, cfg=cfg, dtype=dtype, rope=rope,
-            on_layer=record,
-        )
-        chunks.append(feats)
+        tokens = jax.lax.dynamic_slice_in_dim(batch.prefix, i * C, C, axis=1)
+        return _chunk(model_params, state, tokens, num_new, feats, cfg=cfg, dtype=dtype, rope=rope, on_layer=record)
+
+    # a scan over the chunks: one chunk's program, compiled once whatever the length
+    state, chunks = jax.lax.scan(prefix_chunk, state, jnp.arange(Tp // C))  # each [Tp // C, L, B, C, ...]
 
     answer_real = jnp.arange(A)[None, :] < batch.answer_len[:, None]
 
@@ -116,6 +138,6 @@ def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chun
         model_params, state, batch.answer, batch.answer_len.astype(jnp.int32), jnp.zeros((L, B, Tp, H), jnp.float32),
         cfg=cfg, dtype=dtype, rope=rope, on_layer=label,
     )
-    stack = lambda i: jnp.concatenate([feats[i] for feats in chunks], axis=2)  # [L, B, Tp, ...]
+    stack = lambda x: jnp.moveaxis(x, 0, 2).reshape(L, B, Tp, *x.shape[4:])  # [L, B, Tp, ...]
     valid = jnp.arange(Tp)[None, :] < batch.prefix_len[:, None]
-    return Targets(stack(0), stack(1), stack(2), labels, valid)
+    return Targets(*(stack(x) for x in chunks), labels, valid)

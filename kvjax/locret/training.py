@@ -23,17 +23,31 @@ from kvjax.locret.labels import Batch, Targets, compute_targets
 DEFAULT_ALPHA = 0.0025
 
 
+def _layer_terms(layer_params: dict, q_pre, k_pre, v, labels, valid, pairs) -> tuple[jax.Array, jax.Array]:
+    """One layer's (Smooth-L1 mean, smoothness mean) over `valid f32[B, Tp, 1]` tokens and `pairs f32[B, Tp-1, 1]`."""
+    H = labels.shape[-1]
+    pred = retaining_scores(layer_params, q_pre, k_pre, v)
+    fit = jnp.sum(optax.huber_loss(pred, labels, delta=1.0) * valid) / (jnp.sum(valid) * H)
+    smooth = jnp.sum(jnp.square(pred[:, 1:] - pred[:, :-1]) * pairs) / jnp.maximum(jnp.sum(pairs) * H, 1.0)
+    return fit, smooth
+
+
+# Rematerialised in the backward pass: a layer keeps no activations (its head's [B, Tp, hidden] hidden
+# layer) between the forward and backward passes, so the step's memory does not grow as L * Tp * hidden.
+_layer_terms_remat = jax.checkpoint(_layer_terms)
+
+
 def head_loss(head_params: dict, targets: Targets, alpha: float = DEFAULT_ALPHA) -> jax.Array:
     """Smooth-L1 + alpha * smoothness of the heads' predictions on `targets` (scalar f32)."""
     L = targets.labels.shape[0]
-    H = targets.labels.shape[-1]
     valid = targets.valid.astype(jnp.float32)[..., None]  # [B, Tp, 1]
     pairs = (targets.valid[:, 1:] & targets.valid[:, :-1]).astype(jnp.float32)[..., None]
     fit, smooth = 0.0, 0.0
     for l in range(L):
-        pred = retaining_scores(head_params[f"layer_{l}"], targets.q_pre[l], targets.k_pre[l], targets.v[l])
-        fit += jnp.sum(optax.huber_loss(pred, targets.labels[l], delta=1.0) * valid) / (jnp.sum(valid) * H)
-        smooth += jnp.sum(jnp.square(pred[:, 1:] - pred[:, :-1]) * pairs) / jnp.maximum(jnp.sum(pairs) * H, 1.0)
+        f, s = _layer_terms_remat(
+            head_params[f"layer_{l}"], targets.q_pre[l], targets.k_pre[l], targets.v[l], targets.labels[l], valid, pairs
+        )
+        fit, smooth = fit + f, smooth + s
     return fit / L + alpha * smooth
 
 

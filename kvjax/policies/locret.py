@@ -14,9 +14,10 @@ not re-rotated to compacted positions.
 
 Fields (defaults; the paper's for Llama-3.1-8B in brackets): `token_budget` 128 [16384], `stabilizers`
 32 [2500], `local_tail` 16 [100], `heads` (required): a `RetainingHeads`, a path (`save_heads` directory
-or `.safetensors` export) or a parameter dict. The heads are data, not part of the policy's identity:
-they reach the jitted step as an argument (the `chunks` schedule's params), so two policies that differ
-only in their heads share compiled steps and nothing is baked into a program.
+or `.safetensors` export), the name of a model whose heads ship with kvjax (`heads="tiny"`,
+`heads="smollm2-135m"`: `kvjax/assets/locret-heads/`) or a parameter dict. The heads are data, not part of
+the policy's identity: they reach the jitted step as an argument (the `chunks` schedule's params), so two
+policies that differ only in their heads share compiled steps and nothing is baked into a program.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def _as_heads(heads):
     if isinstance(heads, dict):
         return RetainingHeads(None, heads)
     raise TypeError(
-        "locret: heads= must be RetainingHeads, a path to saved heads, or a parameter dict; "
+        "locret: heads= must be RetainingHeads, a path to saved heads, a model name with shipped heads, or a "
+        "parameter dict; "
         f"got {type(heads).__name__}"
     )
 
@@ -56,7 +58,10 @@ class Locret(Policy):
 
     def __post_init__(self):
         if self.heads is None:
-            raise ValueError("locret: heads= is required (RetainingHeads, a path to saved heads, or a parameter dict)")
+            raise ValueError(
+                "locret: heads= is required (RetainingHeads, a path to saved heads, a model name with shipped heads "
+                "such as 'tiny', or a parameter dict)"
+            )
         heads = _as_heads(self.heads)
         heads.stacked  # stacked once, here on the host, never inside a traced step
         object.__setattr__(self, "heads", heads)

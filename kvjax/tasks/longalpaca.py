@@ -1,16 +1,55 @@
 """LongAlpaca-format rows (`{"instruction": document + question, "output": answer}`) built from kvjax's tasks.
 
-Training data for retaining heads when LongAlpaca-12k itself cannot be had (no dataset hub here).
+Training data for retaining heads when LongAlpaca-12k itself cannot be had (no dataset hub here):
+
+- `multikey_rows`: synthetic records hidden in filler (`kvjax.tasks.synthetic`), for the shipped tiny model;
+- `real_text_rows`: long real text (`kvjax.tasks.real_text`: Debian's licence texts unless a corpus is
+  given) with a question whose answer is a span of that text, for real models.
+
+**The real-text recipe** (`real_text_rows(tokenizer, num_rows, lengths, seed)`). Row `i` draws everything
+from its own generator `np.random.default_rng([seed, i])`, so a row depends only on (seed, i, its length,
+the tokenizer and the corpus), never on how many rows are asked:
+
+1. a window of exactly `lengths[i % len(lengths)]` tokens of the corpus in the tokenizer's ids, starting
+   at a random sentence start (`real_text.windows`, `disjoint=False`); the document is its decoded text;
+2. the task is `kinds[i % len(kinds)]`, and a sentence of the window is drawn among those long enough
+   (at least `MIN_CUE + min_answer` tokens) whose quoted part occurs exactly once in the document:
+   - `continue`: the question quotes the sentence's first `max(MIN_CUE, n // 2)` tokens (moved forward
+     to the next word start) and asks for the rest of it; the answer is that rest (at most `max_answer` tokens);
+   - `next`: the question quotes the whole sentence and asks for the one that follows it in the text;
+     the answer is that next sentence (at most `max_answer` tokens);
+3. instruction = `PREAMBLE`, the document and the question (`TEMPLATE`), LongAlpaca's layout ("Below is
+   a paper. Memorize the paper and answer my question after the paper. ...").
+
+So every answer is a span of the document, and its queries look back at the place it was copied from.
+The wording deliberately differs from the evaluation's passkey and RULER needles (`kvjax.tasks.needles`),
+so heads trained on these rows are not tuned to the evaluation's needles. A window that offers no
+usable sentence is redrawn (up to `MAX_TRIES` times, then `ValueError`). The corpus has 31.5K SmolLM2
+tokens, so windows of 8K overlap across rows: the rows differ in window start, sentence and task.
+
+    python -m train.locret_data --model smollm2-135m --out data/locret_real_text.jsonl --rows 600 --lengths 2048 4096 8192
 """
 
 from __future__ import annotations
 
 import json
 import os
+from typing import Sequence
 
 import numpy as np
 
+from kvjax.tasks import real_text
 from kvjax.tasks.synthetic import digits, multikey_sample
+
+REAL_TEXT_KINDS = ("continue", "next")
+MIN_CUE = 6  # tokens of a sentence quoted in a `continue` question, at least
+MAX_TRIES = 50
+PREAMBLE = "Below is a text. Memorize the text and answer my question after the text."
+TEMPLATE = "{preamble}\nThe text begins.\n{document}\nNow the text ends.\n{question}"
+QUESTIONS = {
+    "continue": 'In the text above, a sentence begins "{quote}". Continue it word for word from there.',
+    "next": 'In the text above, which sentence comes right after "{quote}"? Quote it word for word.',
+}
 
 
 def multikey_rows(rng: np.random.Generator, num_rows: int, lengths: tuple[int, ...], num_records: int = 4) -> list[dict]:
@@ -20,6 +59,82 @@ def multikey_rows(rng: np.random.Generator, num_rows: int, lengths: tuple[int, .
         sample = multikey_sample(rng, lengths[i % len(lengths)], num_records)
         rows.append({"instruction": sample.prompt, "output": digits(sample.answer)})
     return rows
+
+
+def _sentences(window: real_text.Window) -> list[tuple[int, int]]:
+    """(start, end) token offsets of the window's whole sentences (the last one ends at the window's end)."""
+    bounds = [int(s) for s in window.sentence_starts] + [window.length]
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _word_cut(tokenizer, ids: np.ndarray, cut: int, last: int) -> int:
+    """The first offset in [cut, last] whose token starts a word (decodes with leading whitespace), so a
+    quote ends between words; `cut` when none does (e.g. a tokenizer without word-initial spaces)."""
+    for j in range(cut, last + 1):
+        if tokenizer.decode([int(ids[j])])[:1].isspace():
+            return j
+    return cut
+
+
+def _span_question(tokenizer, window: real_text.Window, document: str, kind: str, rng: np.random.Generator,
+                   min_answer: int, max_answer: int) -> tuple[str, str] | None:
+    """(question, answer) of one `kind` on `window`, or None when no sentence qualifies."""
+    decode = lambda ids: tokenizer.decode([int(t) for t in ids], skip_special_tokens=True).strip()
+    sentences = _sentences(window)
+    if kind == "continue":
+        candidates = [(a, _word_cut(tokenizer, window.ids, a + max(MIN_CUE, (b - a) // 2), b - min_answer), b)
+                      for a, b in sentences if b - a >= MIN_CUE + min_answer]
+    else:  # next: the quoted sentence, then the one after it as the answer
+        candidates = [(a, b, c) for (a, b), (_, c) in zip(sentences[:-1], sentences[1:]) if c - b >= min_answer]
+    for j in rng.permutation(len(candidates)):
+        start, cut, end = candidates[j]
+        quote, answer = decode(window.ids[start:cut]), decode(window.ids[cut : min(end, cut + max_answer)])
+        if quote and answer and document.count(quote) == 1 and answer in document:
+            return QUESTIONS[kind].format(quote=quote), answer
+    return None
+
+
+def real_text_row(tokenizer, index: int, length: int, seed: int = 0, kinds: Sequence[str] = REAL_TEXT_KINDS,
+                  corpus: real_text.Corpus | real_text.TokenizedCorpus | None = None, min_answer: int = 8,
+                  max_answer: int = 64) -> dict:
+    """Row `index` of the real-text recipe (module docstring): `instruction`, `output`, and the provenance
+    fields `kind`, `window_start` and `length` (which LongAlpaca readers ignore)."""
+    if not kinds or any(k not in QUESTIONS for k in kinds):
+        raise ValueError(f"kinds must be a non-empty subset of {sorted(QUESTIONS)}, got {list(kinds)}")
+    if not 1 <= min_answer <= max_answer:
+        raise ValueError(f"need 1 <= min_answer <= max_answer, got min_answer={min_answer}, max_answer={max_answer}")
+    tc = corpus if isinstance(corpus, real_text.TokenizedCorpus) else real_text.tokenize_corpus(tokenizer, corpus)
+    rng = np.random.default_rng([seed, index])
+    kind = kinds[index % len(kinds)]
+    for _ in range(MAX_TRIES):
+        (window,) = real_text.windows(tokenizer, length, 1, rng, tc, disjoint=False)
+        document = tokenizer.decode([int(t) for t in window.ids], skip_special_tokens=True)
+        found = _span_question(tokenizer, window, document, kind, rng, min_answer, max_answer)
+        if found is not None:
+            question, answer = found
+            instruction = TEMPLATE.format(preamble=PREAMBLE, document=document, question=question)
+            return {"instruction": instruction, "output": answer, "kind": kind, "window_start": window.start,
+                    "length": length}
+    raise ValueError(
+        f"no {kind!r} question found in {MAX_TRIES} windows of {length} tokens (sentences of at least "
+        f"{MIN_CUE + min_answer} tokens whose quote is unique); pass more text (corpus=) or a smaller min_answer"
+    )
+
+
+def real_text_rows(tokenizer, num_rows: int, lengths: Sequence[int] = (2048,), seed: int = 0,
+                   kinds: Sequence[str] = REAL_TEXT_KINDS, corpus: real_text.Corpus | None = None,
+                   min_answer: int = 8, max_answer: int = 64, progress: bool = False) -> list[dict]:
+    """`num_rows` rows of the real-text recipe, row `i` with a document of `lengths[i % len(lengths)]`
+    tokens of `tokenizer` (module docstring). Seeded: the same arguments give the same rows."""
+    from tqdm import tqdm
+
+    if num_rows < 0 or not lengths or min(lengths) < 1:
+        raise ValueError(f"need num_rows >= 0 and positive lengths, got num_rows={num_rows}, lengths={list(lengths)}")
+    tc = real_text.tokenize_corpus(tokenizer, corpus)
+    return [
+        real_text_row(tokenizer, i, lengths[i % len(lengths)], seed, kinds, tc, min_answer, max_answer)
+        for i in tqdm(range(num_rows), desc="real-text rows", unit="row", disable=not progress)
+    ]
 
 
 def write_jsonl(rows: list[dict], path: str) -> str:
