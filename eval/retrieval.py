@@ -121,16 +121,20 @@ def score_sample(model, sample, task: str, n_tokens: int, tokens: Sequence[int])
 
 
 def answer_shared(model, policies: dict, samples: Sequence, task: str, n_tokens: int, page_size: int = 16,
-                  chunk_size: int = 512, progress=None) -> dict:
+                  chunk_size: int = 512, progress=None, question_in_prefill: bool = False) -> dict:
     """One batch of `samples` under every policy of `policies` ({key: Policy}), with one full prefill shared
     by every policy that compresses after prefill or only selects pages (`kvjax.shared_prefill`); a policy
     compressing during prefill (Locret) is prefilled on its own. Questions are fed by decode, ragged.
-    Returns {key: [Scored, ...]} in sample order. `progress` (a tqdm bar) is advanced once per policy."""
+    Returns {key: [Scored, ...]} in sample order. `progress` (a tqdm bar) is advanced once per policy.
+    `question_in_prefill` prefills the question with the context (so it is compressed with it, and sits in
+    SnapKV's observation window), the setting of SnapKV's and Ada-KV's LongBench runs, instead of Quest's."""
     import kvjax
     from kvjax.generation import continue_rows
     from kvjax.shared_prefill import derive, shared_prefill
 
     split = [split_sample(model, s, task) for s in samples]
+    if question_in_prefill:  # SnapKV's and H2O's own setting: the question is prefilled, then compressed
+        split = [(c + q, [], m) for c, q, m in split]
     contexts = [c for c, _, _ in split]
     questions = [np.asarray(q, np.int32) for _, q, _ in split]
     max_new = max(m for _, _, m in split)

@@ -87,7 +87,8 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
               lengths: Sequence[int] = (2048,), tasks: Sequence[str] = ("passkey", "multikey"), num_samples: int = 20,
               num_records: int = 4, seed: int = 0, dense_layers: int = DEFAULT_DENSE_LAYERS, batch_size: int = 8,
               latency: bool = True, progress: bool = True, checkpoint: str | None = None,
-              clear_compiled: bool = True, max_batches: int | None = None, latency_batch: int = 1) -> dict:
+              clear_compiled: bool = True, max_batches: int | None = None, latency_batch: int = 1,
+              question_in_prefill: bool = False) -> dict:
     """Accuracy rows {task, length, policy, budget, accuracy, correct, samples} and latency rows.
 
     Each batch of samples is prefilled once, and every cell that compresses after prefill (or only
@@ -103,6 +104,8 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
     cells = sweep_cells(policies, budgets)
     setting = {"samples": num_samples, "records": num_records, "seed": seed, "dense_layers": dense_layers,
                "batch_size": batch_size}
+    if question_in_prefill:
+        setting["question_in_prefill"] = True
     done: dict = {}
     if checkpoint and os.path.exists(checkpoint):
         with open(checkpoint) as f:
@@ -131,7 +134,7 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
                     bar.update(len(cells) - len(todo))
                     records = retrieval.answer_shared(
                         model, {_cell_key(p, b): build_policy(p, b, dense_layers) for p, b in todo}, batch, task,
-                        n_tokens, progress=bar)
+                        n_tokens, progress=bar, question_in_prefill=question_in_prefill)
                     new = {key: [r.score if r.score is not None else float(r.correct) for r in rs]
                            for key, rs in records.items()}
                     have = {**have, **new}
@@ -174,7 +177,7 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
     return {
         "machine": machine_info(), "policies": list(policies), "budgets": list(budgets), "lengths": list(lengths),
         "tasks": list(tasks), "num_samples": num_samples, "num_records": num_records, "dense_layers": dense_layers,
-        "seed": seed, "accuracy": rows, "latency": latency_rows,
+        "seed": seed, "question_in_prefill": question_in_prefill, "accuracy": rows, "latency": latency_rows,
         "seconds": {f"{t} {n}": round(v, 1) for (t, n), v in seconds.items()},
     }
 
@@ -189,6 +192,8 @@ def accuracy_table(result: dict) -> str:
             if not cells:
                 continue
             title = f"**{task}**, {n} tokens" + (f", {result['num_records']} records" if task == "multikey" else "")
+            if result.get("question_in_prefill"):
+                title += ", question prefilled with the context (compressed with it)"
             rows = []
             for name in result["policies"]:
                 mine = {r["budget"]: r["accuracy"] for r in cells if r["policy"] == name}
@@ -258,6 +263,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batches", type=int, default=None,
                         help="batches to run per task and length in this call (resume later for the rest)")
     parser.add_argument("--no-latency", action="store_true")
+    parser.add_argument("--question-in-prefill", action="store_true",
+                        help="prefill the question with the context (SnapKV's setting) instead of feeding it by decode")
     parser.add_argument("--out", default=default_out("sweep"))
     parser.add_argument("--name", default="sweep")
     args = parser.parse_args(argv)
@@ -270,7 +277,8 @@ def main(argv=None) -> int:
     model = kvjax.load_model(args.model)
     result = run_sweep(model, args.policies, args.budgets, args.lengths, args.tasks, args.samples, args.records,
                        args.seed, args.dense_layers, batch_size=args.batch_size, latency=not args.no_latency,
-                       checkpoint=f"{args.out}/{args.name}.batches.jsonl", max_batches=args.max_batches)
+                       checkpoint=f"{args.out}/{args.name}.batches.jsonl", max_batches=args.max_batches,
+                       question_in_prefill=args.question_in_prefill)
     result["model"] = args.model
     table = accuracy_table(result)
     paths = write_outputs(args.out, args.name, result, table)

@@ -228,7 +228,7 @@ def test_sweep_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     """Batches in the checkpoint are not run again; `max_batches` stops early and a later call goes on."""
     calls = []
 
-    def fake_answer_shared(model, policies, samples, task, n_tokens, progress=None):
+    def fake_answer_shared(model, policies, samples, task, n_tokens, progress=None, question_in_prefill=False):
         calls.append((task, tuple(policies), len(samples)))
         return {key: [retrieval.Scored(task, n_tokens, 0.5, "1", "1", i % 2 == 0, "1") for i in range(len(samples))]
                 for key in policies}

@@ -124,3 +124,18 @@ def test_fed_tokens_nll_equals_dense_forward(shared):
         logprobs = jax.nn.log_softmax(kvjax.forward_logits(model, full)[0], axis=-1)
         expected = [-float(logprobs[len(context) - 1 + j, int(t)]) for j, t in enumerate(tokens)]
         np.testing.assert_allclose(nll[b, : len(tokens)], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_question_in_prefill_equals_generate(hf_models):
+    """SnapKV's setting (the question prefilled with the context, then compressed) equals generate without
+    decode_last, through the same shared path (empty tails fed by decode)."""
+    from kvjax.generation import continue_rows
+
+    model = _model(hf_models)
+    prompts = [random_tokens(50 + i, (n,)).tolist() for i, n in enumerate((40, 33))]
+    policy = kvjax.make_policy("snapkv", token_budget=16, window=4, kernel_size=3)
+    shared = shared_prefill(model, prompts, [policy], reserve_tokens=ANSWER, page_size=PAGE, chunk_size=CHUNK)
+    state, logits = derive(model, shared, policy)
+    tokens = continue_rows(model, state, logits, [np.zeros(0, np.int32)] * 2, ANSWER, policy)
+    expected = kvjax.generate(model, prompts, ANSWER, policy, page_size=PAGE, chunk_size=CHUNK)
+    np.testing.assert_array_equal(tokens, expected)
