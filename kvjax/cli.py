@@ -184,8 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands whose whole argument list belongs to a program: argparse's REMAINDER does not take a list that
+# starts with an option (`kvjax demo --model x` was refused), so these are passed on as they are.
+PASS_THROUGH = ("demo", "eval")
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASS_THROUGH:  # the program's own parser answers --help too
+        args = argparse.Namespace(command=argv[0], rest=argv[1:])
+        args.func = cmd_demo if argv[0] == "demo" else cmd_eval
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as error:

@@ -130,3 +130,17 @@ def test_cli_fetch(fake, capsys):
     assert capsys.readouterr().out.strip() == hub.cached_path("fake")
     assert cli_main(["fetch", "nope"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+def test_demo_and_eval_take_their_options(monkeypatch):
+    """`kvjax demo --model X` reaches the demo's own parser (argparse's REMAINDER refused a list starting
+    with an option)."""
+    import kvjax.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_run_program", lambda module, argv, *a: seen.append((module, argv)) or 0)
+    assert cli_main(["demo", "--model", "smollm2-135m", "--samples", "2"]) == 0
+    assert cli_main(["eval", "passkey", "--policy", "quest"]) == 0
+    assert cli_main(["demo"]) == 0
+    assert seen == [(cli.DEMO, ["--model", "smollm2-135m", "--samples", "2"]),
+                    (cli.EVALUATE, ["passkey", "--policy", "quest"]), (cli.DEMO, [])]
