@@ -75,7 +75,7 @@ BENCHMARKS = {
     "attention": "kvjax.eval.bench_attention", "serving": "kvjax.eval.bench_serving",
     "memory": "kvjax.eval.bench_memory", "sweep": "kvjax.eval.sweep", "cacheclip": "kvjax.eval.bench_cacheclip",
     "model-accuracy": "kvjax.eval.model_accuracy", "locret-quality": "kvjax.eval.locret_quality",
-    "real": "kvjax.eval.bench_real", "perplexity": "kvjax.eval.perplexity",
+    "real": "kvjax.eval.bench_real", "compile": "kvjax.eval.bench_compile", "perplexity": "kvjax.eval.perplexity",
     "trace-needle": "kvjax.eval.trace_needle", "locret-labels": "kvjax.eval.bench_locret_labels",
     "suite": "kvjax.eval.suite", "compare": "kvjax.eval.compare",
 }
