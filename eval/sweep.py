@@ -129,7 +129,9 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
                 if todo:
                     if samples is None:
                         samples = retrieval.task_samples(model, task, n_tokens, num_samples, seed, num_records)
-                    batch = samples[index * batch_size : (index + 1) * batch_size]
+                    # strided: depths go in order over the samples, so each batch spans every depth and a
+                    # partial run (max_batches) is not biased towards the start of the context
+                    batch = samples[index::batches]
                     started = time.perf_counter()
                     bar.update(len(cells) - len(todo))
                     records = retrieval.answer_shared(
@@ -220,6 +222,9 @@ def plot(result: dict, path: str) -> str:
     panels = [(t, n) for t in result["tasks"] for n in result["lengths"]]
     has_latency = bool(result.get("latency"))
     fig, axes = plt.subplots(1, len(panels) + has_latency, figsize=(4.2 * (len(panels) + has_latency), 3.6), squeeze=False)
+    colors = plt.cm.tab20(np.linspace(0, 1, 20))
+    styles = {name: {"color": colors[(2 * i) % 20 + (2 * i) // 20], "marker": "os^vD<>ph*"[i % 10]}
+              for i, name in enumerate(result["policies"])}
     for ax, (task, n) in zip(axes[0], panels):
         for name in result["policies"]:
             cells = sorted((r for r in result["accuracy"] if r["task"] == task and r["length"] == n
@@ -227,7 +232,7 @@ def plot(result: dict, path: str) -> str:
             if name == "full" and cells:
                 ax.axhline(100 * cells[0]["accuracy"], color="black", ls="--", label="full")
             elif cells:
-                ax.plot([r["budget"] for r in cells], [100 * r["accuracy"] for r in cells], marker="o", label=name)
+                ax.plot([r["budget"] for r in cells], [100 * r["accuracy"] for r in cells], label=name, **styles[name])
         ax.set_xscale("log", base=2)
         ax.set_title(f"{task}, {n} tokens")
         ax.set_xlabel("token budget")
