@@ -107,14 +107,16 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
     if question_in_prefill:
         setting["question_in_prefill"] = True
     done: dict = {}
+    seconds: dict = {}  # (task, length) -> seconds of the batches run, in this call or before it
     if checkpoint and os.path.exists(checkpoint):
         with open(checkpoint) as f:
             for line in f:
                 row = json.loads(line)
                 if row.pop("setting", None) == setting:
                     done.setdefault((row["task"], row["length"], row["batch"]), {}).update(row["scores"])
+                    key = (row["task"], row["length"])
+                    seconds[key] = seconds.get(key, 0.0) + row.get("seconds", 0.0)
     scores: dict = {}  # (task, length, cell key) -> [score per sample]
-    seconds: dict = {}
     batches = -(-num_samples // batch_size)
     for task in tasks:
         for n_tokens in lengths:

@@ -76,8 +76,17 @@ def kept_share(state, span: np.ndarray) -> np.ndarray:
                      for l in range(len(kept))])
 
 
+def value_span(model, sample, span: np.ndarray) -> np.ndarray:
+    """int[N]: the positions of the asked value's tokens at the end of a RULER needle (its digits and the
+    closing period); the whole needle for a passkey, whose key appears twice."""
+    if sample.task == "passkey":
+        return span
+    length = len(model.tokenizer(" " + sample.answer + ".", add_special_tokens=False)["input_ids"])
+    return span[-length:]
+
+
 def trace(model, task: str, length: int, sample_index: int, policies, budget: int, dense_layers: int = 0,
-          seed: int = 0) -> dict:
+          seed: int = 0, question_in_prefill: bool = False) -> dict:
     from kvjax.generation import continue_rows
     from kvjax.shared_prefill import derive, shared_prefill
 
@@ -88,16 +97,21 @@ def trace(model, task: str, length: int, sample_index: int, policies, budget: in
     span = needle_span(model, sample)
     mass = needle_attention(model, sample.context_ids + sample.question_ids, span)
     context, question, max_new = retrieval.split_sample(model, sample, task)
+    if question_in_prefill:  # SnapKV's setting: the question is compressed with the context
+        context, question = context + question, []
+    values = value_span(model, sample, span)
     built = {p: build_policy(p, None if p == "full" else budget, dense_layers) for p in ("full", *policies)}
     shared = shared_prefill(model, [context], list(built.values()), reserve_tokens=len(question) + max_new)
     out = {"task": task, "length": length, "sample": sample_index, "budget": budget, "depth": sample.depth,
+           "question_in_prefill": question_in_prefill, "value_tokens": [int(values[0]), int(values[-1])],
            "answer": sample.answer, "needle_tokens": [int(span[0]), int(span[-1])], "mass": mass.tolist(), "policies": {}}
     for name, policy in built.items():
         state, logits = derive(model, shared, policy)
-        share = kept_share(state, span)
+        share, value_share = kept_share(state, span), kept_share(state, values)  # before decoding donates the state
         tokens = continue_rows(model, state, logits, [np.asarray(question, np.int32)], max_new, policy)
         scored = retrieval.score_sample(model, sample, task, length, tokens[0])
-        out["policies"][name] = {"kept_share": share.tolist(), "answer_text": scored.text,
+        out["policies"][name] = {"kept_share": share.tolist(), "value_kept_share": value_share.tolist(),
+                                 "answer_text": scored.text,
                                  "score": scored.score if scored.score is not None else float(scored.correct)}
     return out
 
@@ -112,14 +126,17 @@ def trace_table(result: dict) -> str:
         G = mass.shape[1] // share.shape[1]
         head_mass = mass.reshape(mass.shape[0], share.shape[1], G).sum(-1)  # [L, H]
         weighted = float((share * head_mass).sum() / head_mass.sum())
+        value = np.asarray(r["value_kept_share"])
         rows.append([name, f"{r['score']:.2f}", repr(r["answer_text"][:40]), f"{100 * share.mean():.0f}%",
-                     f"{100 * weighted:.0f}%", " ".join(f"{100 * share[l].mean():.0f}" for l in top)])
-    head = (f"Needle trace: {result['task']}, {result['length']} tokens, sample {result['sample']} (depth "
+                     f"{100 * weighted:.0f}%", f"{100 * value.mean():.0f}%",
+                     " ".join(f"{100 * share[l].mean():.0f}" for l in top)])
+    setting = ", question prefilled with the context" if result.get("question_in_prefill") else ""
+    head = (f"Needle trace: {result['task']}, {result['length']} tokens{setting}, sample {result['sample']} (depth "
             f"{result['depth']:.2f}, answer {result['answer']}), budget {result['budget']}. Layers where the question's "
             f"last token puts the most mass on the needle: {', '.join(f'{l} ({per_layer[l]:.2f})' for l in top)}\n\n")
     return head + markdown_table(
         ["policy", "score", "answer", "needle kept (all heads)", "kept, weighted by needle mass",
-         "kept % in the top layers"], rows)
+         "value tokens kept", "kept % in the top layers"], rows)
 
 
 def plot(result: dict, path: str) -> str:
@@ -158,6 +175,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--dense-layers", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--question-in-prefill", action="store_true",
+                        help="compress the question with the context (SnapKV's setting)")
     parser.add_argument("--out", default=default_out("trace_needle"))
     parser.add_argument("--name", default=None)
     args = parser.parse_args(argv)
@@ -165,8 +184,10 @@ def main(argv=None) -> dict:
     import kvjax
 
     model = kvjax.load_model(args.model)
-    result = trace(model, args.task, args.length, args.sample, args.policies, args.budget, args.dense_layers, args.seed)
-    name = args.name or f"{args.task}_{args.length}_s{args.sample}_b{args.budget}"
+    result = trace(model, args.task, args.length, args.sample, args.policies, args.budget, args.dense_layers, args.seed,
+                   args.question_in_prefill)
+    name = args.name or (f"{args.task}_{args.length}_s{args.sample}_b{args.budget}"
+                         + ("_question_prefilled" if args.question_in_prefill else ""))
     table = trace_table(result)
     paths = write_outputs(args.out, name, result, table)
     paths["png"] = plot(result, f"{args.out}/{name}.png")
