@@ -74,9 +74,9 @@ def perplexity_sweep(model, policies: Sequence[str], budgets: Sequence[int], con
     nll = {_cell_key(p, b): [] for p, b in cells}
     started = time.perf_counter()
     bar = tqdm(total=len(cells) * -(-num_texts // batch_size), desc=f"perplexity {context}", disable=not progress)
+    built = {_cell_key(p, b): build_policy(p, b, dense_layers) for p, b in cells}
     for start in range(0, num_texts, batch_size):
         batch = texts[start : start + batch_size]
-        built = {_cell_key(p, b): build_policy(p, b, dense_layers) for p, b in cells}
         shared = shared_prefill(model, [t.context_ids for t in batch], list(built.values()),
                                 reserve_tokens=continuation)
         for key, policy in built.items():

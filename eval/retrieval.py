@@ -153,7 +153,6 @@ def answer_shared(model, policies: dict, samples: Sequence, task: str, n_tokens:
                                           capacity=shared.state.capacity if shared else None, max_new_tokens=reserve)
         tokens = continue_rows(model, state, logits, questions, max_new, policy)
         out[key] = [score_sample(model, s, task, n_tokens, row) for s, row in zip(samples, np.asarray(tokens))]
-        del state
         if progress is not None:
             progress.update(1)
     return out

@@ -40,6 +40,7 @@ def needle_span(model, sample) -> np.ndarray:
 
 def needle_attention(model, prompt_ids, span: np.ndarray) -> np.ndarray:
     """f32[L, Hq]: per layer and query head, the attention mass the last prompt token puts on `span`."""
+    from kvjax.attention import dense_causal_attention
     from kvjax.models import CausalLM
     from kvjax.models.transformer import unrolled
     from kvjax.rope import rope_frequencies
@@ -52,8 +53,6 @@ def needle_attention(model, prompt_ids, span: np.ndarray) -> np.ndarray:
     masses = []
 
     def attend(layer, inputs, carry):
-        from kvjax.attention import dense_causal_attention
-
         q = inputs.q[0, -1].astype(jnp.float32)  # [Hq, D]
         k = jnp.repeat(inputs.k[0].astype(jnp.float32), cfg.num_heads // cfg.num_kv_heads, axis=1)  # [T, Hq, D]
         probs = jax.nn.softmax(jnp.einsum("hd,thd->ht", q, k) * cfg.head_dim**-0.5, axis=-1)
