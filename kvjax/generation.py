@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from kvjax.attention import dense_causal_attention
 from kvjax.config import ModelConfig
+from kvjax.decode_loop import decode_steps
 from kvjax.loading import Model
 from kvjax.models import CausalLM
 from kvjax.policies import FullPolicy, Policy
@@ -26,6 +27,7 @@ from kvjax.state import CacheCapacityError, KVState, overflow_error, pages_for
 from kvjax.step import LOCAL_BACKEND, StepBackend, new_window
 
 DEFAULT_CHUNK_SIZE = 512
+DEFAULT_STEPS_PER_DISPATCH = 16  # decode steps per device call in generate (kvjax.decode_loop)
 CAPACITY_BUCKET = 256  # default capacities round up to this many tokens, so nearby lengths share compiles
 
 
@@ -345,6 +347,7 @@ def generate(
     return_logprobs: bool = False,
     allow_longer_context: bool = False,
     progress: bool = False,
+    steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
 ):
     """Generate up to `max_new_tokens` per prompt. Returns `int32[B, max_new_tokens]`, -1 after a sequence's
     EOS (the EOS token itself is kept), and with `return_logprobs=True` also `f32[B, max_new_tokens]` (the
@@ -353,7 +356,8 @@ def generate(
     `decode_last=N` prefills all but the last N prompt tokens and feeds those N one at a time as decode
     steps (Quest's protocol: the question arrives after compression). `eos_token_id` defaults to the model's.
     A request past the model's context (prompt plus `max_new_tokens`) is refused before any work unless
-    `allow_longer_context`; `progress` shows a bar over the prefill chunks.
+    `allow_longer_context`; `progress` shows a bar over the prefill chunks. `steps_per_dispatch` decode
+    steps run per call to the device (`kvjax.decode_loop`; results do not depend on it).
     """
     rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
     check_context(model.cfg, max(len(r) for r in rows), max_new_tokens, allow_longer_context)
@@ -361,6 +365,7 @@ def generate(
         model, rows, max_new_tokens, policy, decode_last=decode_last, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, page_size=page_size, capacity=capacity, chunk_size=chunk_size,
         eos_token_id=eos_token_id, return_logprobs=return_logprobs, progress=progress,
+        steps_per_dispatch=steps_per_dispatch,
     )
 
 
@@ -368,6 +373,7 @@ def generate_rows(
     model: Model, rows: list[np.ndarray], max_new_tokens: int, policy: Policy | None, *, decode_last: int,
     temperature: float, top_k: int, top_p: float, seed: int, page_size: int, capacity: int | None, chunk_size: int,
     eos_token_id, return_logprobs: bool, backend: StepBackend | None = None, progress: bool = False,
+    steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
 ):
     """`generate` on validated token rows, with the state on `backend` (one device by default, or a mesh)."""
     backend = backend or LOCAL_BACKEND
@@ -388,7 +394,7 @@ def generate_rows(
     return continue_rows(
         model, state, logits, [r[len(r) - decode_last :] for r in rows], max_new_tokens, policy,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, return_logprobs=return_logprobs,
-        backend=backend,
+        backend=backend, steps_per_dispatch=steps_per_dispatch,
     )
 
 
@@ -426,30 +432,40 @@ def continue_rows(
     model: Model, state: KVState, logits: jax.Array, tails: Sequence[np.ndarray], max_new_tokens: int,
     policy: Policy, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
     eos_token_id: int | Sequence[int] | None = None, return_logprobs: bool = False,
-    backend: StepBackend | None = None,
+    backend: StepBackend | None = None, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
 ):
     """Generation from a prefilled (and compressed) state: feed each row's `tails[b]` by decode
     (`feed_tokens`; Quest's protocol for the question), then sample up to `max_new_tokens` per row, as
-    `generate` does. Donates `state`."""
+    `generate` does. The first token is sampled from the prefill's logits; the rest come from
+    `kvjax.decode_loop.decode_steps`, `steps_per_dispatch` decode steps (sampling and EOS included) per
+    call to the device, so the host waits once per dispatch rather than once per token. Donates `state`."""
     backend = backend or LOCAL_BACKEND
+    if steps_per_dispatch < 1:
+        raise ValueError(f"steps_per_dispatch must be >= 1, got {steps_per_dispatch}")
     eos = model.eos_token_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
+    eos_array = np.asarray(eos, np.int32).reshape(-1)
     state, logits = feed_tokens(model, state, logits, tails, policy, backend)
     B = len(tails)
     out = np.full((B, max_new_tokens), -1, np.int32)
     out_logprobs = np.full((B, max_new_tokens), np.nan, np.float32)
-    done = np.zeros(B, bool)
-    key = jax.random.PRNGKey(seed)
-    eos_array = np.asarray(eos, np.int32)
-    for t in range(max_new_tokens):
-        key, step_key = jax.random.split(key)
-        tokens, logprobs = _sample(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)
-        tokens_host, logprobs_host = np.asarray(tokens), np.asarray(logprobs)
-        out[~done, t] = tokens_host[~done]
-        out_logprobs[~done, t] = logprobs_host[~done]
-        done |= np.isin(tokens_host, eos_array)
-        if done.all() or t == max_new_tokens - 1:
-            break
-        logits, state = _decode(model, state, tokens, policy, backend)
+    key, step_key = jax.random.split(jax.random.PRNGKey(seed))
+    pending, logprobs = _sample(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)
+    out[:, 0], out_logprobs[:, 0] = np.asarray(pending), np.asarray(logprobs)
+    done = np.isin(out[:, 0], eos_array)
+    done_device, eos_device = jnp.asarray(done), jnp.asarray(eos_array)
+    t = 1
+    while t < max_new_tokens and not done.all():
+        run = decode_steps(
+            model.params, state, logits, pending, key, done_device, eos_device, jnp.int32(max_new_tokens - t),
+            step=backend.append_step, steps=steps_per_dispatch, cfg=model.cfg, dtype=model.dtype, policy=policy,
+            temperature=temperature, top_k=top_k, top_p=top_p,
+        )
+        state, logits, pending, key, done_device = run.state, run.logits, run.pending, run.key, run.done
+        count = int(run.count)
+        out[:, t : t + count] = np.asarray(run.tokens)[:, :count]
+        out_logprobs[:, t : t + count] = np.asarray(run.logprobs)[:, :count]
+        done = np.asarray(done_device)
+        t += count
     error = backend.overflow_error(state)
     if error is not None:
         raise error

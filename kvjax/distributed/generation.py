@@ -24,7 +24,14 @@ from kvjax.compaction import compact_layer, evict_one_slot
 from kvjax.config import ModelConfig
 from kvjax.distributed.mesh import AXES, DATA, ShardingPlan, plan_for, shard_params
 from kvjax.distributed.state import head_axis, init_sharded_state, per_shard, sharded_overflow_error, state_spec
-from kvjax.generation import as_token_lists, bucketed, generate_rows, policy_or_full, prefill_rows
+from kvjax.generation import (
+    DEFAULT_STEPS_PER_DISPATCH,
+    as_token_lists,
+    bucketed,
+    generate_rows,
+    policy_or_full,
+    prefill_rows,
+)
 from kvjax.loading import Model
 from kvjax.policies import LayerView, Policy
 from kvjax.state import KVState, allocate_for_append
@@ -177,8 +184,10 @@ def _padded_rows(rows: list[np.ndarray], data: int) -> list[np.ndarray]:
     return rows + [rows[0]] * (-len(rows) % data)
 
 
+@functools.lru_cache(maxsize=16)
 def _backend(mesh: Mesh, plan: ShardingPlan) -> StepBackend:
-    """The host loops of `kvjax.generation` with a stacked state on `mesh` and the sharded steps."""
+    """The host loops of `kvjax.generation` with a stacked state on `mesh` and the sharded steps. Cached: the
+    step is a static argument of `kvjax.decode_loop.decode_steps`, so one (mesh, plan) keeps one program."""
     batch = NamedSharding(mesh, P(DATA))
 
     def new_state(cfg, B, capacity, page_size, num_pages, dtype, long_rope, read_pages):
@@ -235,6 +244,7 @@ def generate_sharded(
     chunk_size: int = 512,
     eos_token_id: int | Sequence[int] | None = None,
     return_logprobs: bool = False,
+    steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
 ):
     """`kvjax.generate` over a ("data", "model") mesh (`kvjax.distributed.make_mesh`): same arguments
     and results. Heads and the MLP are split over "model", sequences over "data" (see `plan_for` for
@@ -245,7 +255,7 @@ def generate_sharded(
         model, _padded_rows(given, plan.data), max_new_tokens, policy, decode_last=decode_last,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, page_size=page_size, capacity=capacity,
         chunk_size=chunk_size, eos_token_id=eos_token_id, return_logprobs=return_logprobs,
-        backend=_backend(mesh, plan),
+        backend=_backend(mesh, plan), steps_per_dispatch=steps_per_dispatch,
     )
     n = len(given)
     return (result[0][:n], result[1][:n]) if return_logprobs else result[:n]
