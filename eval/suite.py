@@ -10,6 +10,8 @@
 #              always runs on the CPU)
 #   prefill    this file: kvjax chunked prefill tokens/s on the policies' attention-heavy shape, at --dtype
 #   real       eval.bench_real: SmolLM2-135M against transformers (needs torch and `kvjax fetch smollm2-135m`)
+#   dispatch   eval.bench_dispatch: decode tokens/s against decode steps per device call (1 = a host round
+#              trip per token), tiny model and SmolLM2-135M when fetched, batch 1 and 8
 # Then DIR/run.json holds the device tag, the large read measured once at the start, the members' status
 # and a flat list of figures; DIR/run.md shows them. `kvjax bench compare` reads run.json files.
 #
@@ -155,6 +157,16 @@ def prefill_figures(payload: dict, large_read: dict) -> list[dict]:
     return figs
 
 
+def dispatch_figures(payload: dict, large_read: dict) -> list[dict]:
+    figs = []
+    for r in payload["rows"]:
+        at = {"model": r["model"], "batch": r["batch"], "steps_per_dispatch": r["steps_per_dispatch"]}
+        figs.append(figure("dispatch", "decode_tokens_per_s", r["tokens_per_s"], "tok/s", large_read, **at))
+        if r["speedup_vs_1"] is not None:
+            figs.append(figure("dispatch", "speedup_vs_1_step", r["speedup_vs_1"], "x", large_read, **at))
+    return figs
+
+
 # --- the suite's own member: chunked prefill, no torch needed ---
 
 PREFILL_SHAPE = "2 layers x 16 heads x 128, hidden 512"  # bench_policies' attention-heavy config
@@ -233,6 +245,10 @@ def _real_argv(s: Settings, out: str) -> list[str]:
                                          "--read-gib", f"{s.read_gib:g}", "--out", out]
 
 
+def _dispatch_argv(s: Settings, out: str) -> list[str]:
+    return (["--quick"] if s.quick else []) + ["--out", out]
+
+
 MEMBERS = {m.name: m for m in (
     Member("attention", "kvjax.eval.bench_attention", (), _attention_argv, attention_figures, "bench_attention"),
     Member("policies", "kvjax.eval.bench_policies", (), _policies_argv, policies_figures, "bench_policies"),
@@ -241,6 +257,7 @@ MEMBERS = {m.name: m for m in (
     Member("prefill", None, (), _prefill_argv, prefill_figures, "prefill", dtype_option=True),
     Member("real", "kvjax.eval.bench_real", ("torch", "transformers"), _real_argv, real_figures, "bench_real",
            dtype_option=True),
+    Member("dispatch", "kvjax.eval.bench_dispatch", (), _dispatch_argv, dispatch_figures, "bench_dispatch"),
 )}
 
 

@@ -77,7 +77,7 @@ BENCHMARKS = {
     "model-accuracy": "kvjax.eval.model_accuracy", "locret-quality": "kvjax.eval.locret_quality",
     "real": "kvjax.eval.bench_real", "compile": "kvjax.eval.bench_compile", "perplexity": "kvjax.eval.perplexity",
     "trace-needle": "kvjax.eval.trace_needle", "locret-labels": "kvjax.eval.bench_locret_labels",
-    "suite": "kvjax.eval.suite", "compare": "kvjax.eval.compare",
+    "suite": "kvjax.eval.suite", "compare": "kvjax.eval.compare", "dispatch": "kvjax.eval.bench_dispatch",
 }
 TRAINERS = {"locret": "kvjax.train.locret", "default-model": "kvjax.train.train_default_model"}
 DEMO, EVALUATE = "kvjax.eval.demo", "kvjax.eval.evaluate"

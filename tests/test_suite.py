@@ -112,5 +112,18 @@ def test_a_member_that_is_unavailable_or_fails_is_recorded_and_the_suite_goes_on
 def test_threads_outside_the_machine_are_refused():
     with pytest.raises(ValueError, match="--threads 0"):
         suite.pin_threads(0)
-    assert set(suite.MEMBERS) == {"attention", "policies", "decode", "prefill", "real"}
+    assert set(suite.MEMBERS) == {"attention", "policies", "decode", "prefill", "real", "dispatch"}
     assert cli.BENCHMARKS["suite"] == "kvjax.eval.suite" and cli.BENCHMARKS["compare"] == "kvjax.eval.compare"
+
+
+def test_dispatch_member_times_every_dispatch_size_against_one_step(tmp_path):
+    from kvjax.eval import bench_dispatch
+
+    payload = bench_dispatch.main(["--quick", "--out", str(tmp_path)])
+    rows = payload["rows"]
+    assert {(r["batch"], r["steps_per_dispatch"]) for r in rows} == {(1, 1), (1, 8), (2, 1), (2, 8)}
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["speedup_vs_1"] == 1.0 for r in rows if r["steps_per_dispatch"] == 1)
+    figures = suite.dispatch_figures(payload, {"median_gbps": 10.0})
+    assert len(figures) == 2 * len(rows) and {f["benchmark"] for f in figures} == {"dispatch"}
+    assert (tmp_path / "bench_dispatch.md").exists() and (tmp_path / "bench_dispatch.png").exists()
