@@ -2,6 +2,11 @@
 
     python -m eval.bench_memory                       # 8K..64K full, 8K..128K Locret
     python -m eval.bench_memory --contexts 8192 16384 --locret-only-contexts 131072
+    python -m eval.bench_memory --model smollm2-135m --heads smollm2-135m --out eval/results/locret/memory
+
+With `--model` (a registered name, a directory or `.gguf`) the points load that model instead, and
+`--heads` names Locret's heads (a shipped name such as `smollm2-135m`, or a path); without it the
+random model's heads are random (memory does not depend on what the heads learned).
 
 Each point is its own process (a fresh `python -m eval.bench_memory --point ...`) that builds a random
 model, prefills one prompt of the given length (chunked) and decodes a few tokens, then reports its peak
@@ -39,7 +44,8 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def run_point(policy_name: str, context: int, budget: int, chunk: int, new_tokens: int) -> dict:
+def run_point(policy_name: str, context: int, budget: int, chunk: int, new_tokens: int, model_name: str | None = None,
+              heads_name: str | None = None, local_tail: int = 100) -> dict:
     """One measurement in this process (call it in a fresh one)."""
     import jax
     import numpy as np
@@ -50,18 +56,28 @@ def run_point(policy_name: str, context: int, budget: int, chunk: int, new_token
     from kvjax.loading import Model, init_params
     from kvjax.locret import HeadsConfig, init_heads
 
-    cfg = ModelConfig.from_hf_dict(MODEL)
-    model = Model(cfg, init_params(cfg, seed=0))
+    if model_name is None:
+        cfg = ModelConfig.from_hf_dict(MODEL)
+        model = Model(cfg, init_params(cfg, seed=0))
+    else:
+        model = kvjax.load_model(model_name)
+        cfg = model.cfg
     if policy_name == "locret":
-        heads = init_heads(HeadsConfig.for_model(cfg), seed=0)
-        policy = kvjax.make_policy("locret", token_budget=budget, stabilizers=budget // 4, local_tail=100, heads=heads)
+        heads = heads_name if heads_name is not None else init_heads(HeadsConfig.for_model(cfg), seed=0)
+        policy = kvjax.make_policy("locret", token_budget=budget, stabilizers=budget // 4, local_tail=local_tail,
+                                   heads=heads)
     else:
         policy = kvjax.make_policy("full")
     tokens = np.random.default_rng(0).integers(4, cfg.vocab_size, (1, context)).astype(np.int32)
+    if model_name is not None and model.tokenizer is not None:  # real text for a real model: the corpus
+        from kvjax.tasks.real_text import tokenize_corpus  # (31K SmolLM2 tokens) repeated to the context
+
+        tokens = np.resize(tokenize_corpus(model.tokenizer).ids, context).astype(np.int32)[None]
     jax.block_until_ready(model.params)
     rss_before = _rss_kib("VmRSS")
     began = time.perf_counter()
-    state, logits = kvjax.prefill(model, tokens, policy=policy, chunk_size=chunk, max_new_tokens=new_tokens)
+    state, logits = kvjax.prefill(model, tokens, policy=policy, chunk_size=chunk, max_new_tokens=new_tokens,
+                                  allow_longer_context=True)
     token = np.asarray(logits.argmax(-1))
     for _ in range(new_tokens):
         logits, state = kvjax.decode_step(model, state, token, policy=policy)
@@ -83,8 +99,8 @@ def run_point(policy_name: str, context: int, budget: int, chunk: int, new_token
 def measure(policy_name: str, context: int, args) -> dict:
     command = [
         sys.executable, "-m", "eval.bench_memory", "--point", policy_name, str(context), "--budget", str(args.budget),
-        "--chunk", str(args.chunk), "--new-tokens", str(args.new_tokens),
-    ]
+        "--chunk", str(args.chunk), "--new-tokens", str(args.new_tokens), "--local-tail", str(args.local_tail),
+    ] + (["--model", args.model] if args.model else []) + (["--heads", args.heads] if args.heads else [])
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.point_timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -123,12 +139,16 @@ def main(argv=None) -> dict:
     p.add_argument("--budget", type=int, default=2048, help="Locret token_budget (slots per head)")
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk size")
     p.add_argument("--new-tokens", type=int, default=4)
+    p.add_argument("--local-tail", type=int, default=100, help="Locret's local tail (the paper's 100)")
     p.add_argument("--point-timeout", type=int, default=600, help="seconds per point")
     p.add_argument("--out", default=default_out("memory"))
+    p.add_argument("--model", default=None, help="a model to load (default: the random KV-heavy model above)")
+    p.add_argument("--heads", default=None, help="Locret's heads: a shipped name or a path (default: random heads)")
     p.add_argument("--point", nargs=2, metavar=("POLICY", "CONTEXT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.point:
-        print(json.dumps(run_point(args.point[0], int(args.point[1]), args.budget, args.chunk, args.new_tokens)))
+        print(json.dumps(run_point(args.point[0], int(args.point[1]), args.budget, args.chunk, args.new_tokens,
+                                   args.model, args.heads, args.local_tail)))
         return {}
 
     from tqdm import tqdm
@@ -141,12 +161,26 @@ def main(argv=None) -> dict:
         tqdm.write(json.dumps(results[-1]))
     payload = {
         "machine": machine_info(),
-        "model": MODEL,
-        "settings": {"budget": args.budget, "chunk": args.chunk, "new_tokens": args.new_tokens, "local_tail": 100},
+        "model": args.model or MODEL,
+        "heads": args.heads,
+        "settings": {"budget": args.budget, "chunk": args.chunk, "new_tokens": args.new_tokens, "local_tail": args.local_tail},
         "results": results,
     }
     print(render(payload, args.out))
     return payload
+
+
+def peak_slopes(results: list) -> dict[str, float]:
+    """MiB of peak RSS per 1K tokens of context, per policy (a least-squares line over its finished points)."""
+    import numpy as np
+
+    out = {}
+    for name in sorted({r["policy"] for r in results}):
+        points = [(r["context"] / 1024, r["peak_rss_mib"]) for r in results if r["policy"] == name and "error" not in r]
+        if len(points) >= 2:
+            x, y = np.array(points).T
+            out[name] = float(np.polyfit(x, y, 1)[0])
+    return out
 
 
 def render(payload: dict, out_dir: str) -> str:
@@ -159,6 +193,9 @@ def render(payload: dict, out_dir: str) -> str:
         for r in payload["results"]
     ]
     table = markdown_table(headers, rows)
+    payload["slopes_mib_per_1k_tokens"] = slopes = peak_slopes(payload["results"])
+    table += "\n" + "\n".join(f"Peak RSS slope, {name}: {slope:.1f} MiB per 1K tokens (least squares over the "
+                               f"points that finished)." for name, slope in slopes.items()) + "\n"
     write_outputs(out_dir, "bench_memory", payload, table)
     plot(payload["results"], os.path.join(out_dir, "bench_memory.png"))
     return table

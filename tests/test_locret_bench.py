@@ -25,3 +25,20 @@ def test_label_memory_points(tmp_path):
     with open(os.path.join(out, "locret_labels.json")) as f:
         assert json.load(f)["results"] == payload["results"]
     assert "run's peak RSS MiB" in open(os.path.join(out, "locret_labels.md")).read()
+
+
+def test_memory_points_of_a_named_model_with_shipped_heads(tmp_path):
+    from kvjax.eval import bench_memory
+
+    payload = bench_memory.main(["--model", "tiny", "--heads", "tiny", "--contexts", "512", "1024",
+                                 "--locret-only-contexts", "--budget", "96", "--local-tail", "16", "--chunk", "128", "--new-tokens", "2",
+                                 "--out", str(tmp_path)])
+    points = {(r["policy"], r["context"]): r for r in payload["results"]}
+    assert all("error" not in r for r in points.values()), payload["results"]
+    assert payload["model"] == "tiny" and payload["heads"] == "tiny"
+    # Locret's pool is sized for budget + one chunk, whatever the context; the full cache's grows with it
+    assert points["locret", 512]["pool_mib"] == points["locret", 1024]["pool_mib"]
+    assert points["full", 1024]["pool_mib"] > 1.5 * points["full", 512]["pool_mib"]  # capacity rounds up to 256
+    assert points["locret", 1024]["kv_in_use_mib"] < points["full", 1024]["kv_in_use_mib"] / 4
+    assert set(payload["slopes_mib_per_1k_tokens"]) == {"full", "locret"}
+    assert "MiB per 1K tokens" in (tmp_path / "bench_memory.md").read_text()
