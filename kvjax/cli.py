@@ -6,6 +6,7 @@
     kvjax generate --prompt "..." [--policy quest --policy-option token_budget=64]
     kvjax eval multikey --policy quest --budget 128 --length 2048 --json
     kvjax bench sweep --lengths 2048 --budgets 64 128 --json     # any eval/bench_*.py program, or sweep
+    kvjax serve --model smollm2-135m --port 8000                  # OpenAI-compatible HTTP (kvjax.serving.http)
     kvjax train locret --model DIR --data FILE ...
 """
 
@@ -130,6 +131,24 @@ def cmd_fetch(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import kvjax
+    from kvjax.compilation_cache import enable_compilation_cache
+    from kvjax.policies.options import parse_policy_options
+    from kvjax.serving.http import ServerConfig, serve
+
+    enable_compilation_cache()
+    policy = kvjax.make_policy(args.policy, **parse_policy_options(args.policy, args.policy_option))
+    model = kvjax.load_model(args.model, dtype=args.dtype)
+    name = args.served_name or args.model
+    config = ServerConfig(name, policy, args.max_context or model.cfg.max_position_embeddings,
+                          chunk_size=args.chunk_size, page_size=args.page_size,
+                          steps_per_dispatch=args.steps_per_dispatch)
+    print(f"serving {name} ({args.policy}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    serve(model, config, args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvjax", description="Long-context KV-cache compression in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the result JSON on stdout (tables go to stderr)")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=cmd_bench)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    srv.add_argument("--model", default=DEFAULT_MODEL, help="as for generate")
+    srv.add_argument("--served-name", default=None, help="the model id clients send (default: --model)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--policy", default="full", help="the cache policy of requests without kv_policy")
+    srv.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE", help="policy option, repeatable")
+    srv.add_argument("--max-context", type=int, default=None, help="prompt + max_tokens, at most (default: the model's)")
+    srv.add_argument("--chunk-size", type=int, default=512)
+    srv.add_argument("--page-size", type=int, default=16)
+    srv.add_argument("--steps-per-dispatch", type=int, default=16, help="decode steps per device call (streaming granularity)")
+    srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    srv.set_defaults(func=cmd_serve)
 
     train = sub.add_parser("train", help="train retaining heads (locret) or the shipped default model")
     train.add_argument("what", choices=sorted(TRAINERS))

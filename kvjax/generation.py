@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -348,6 +348,7 @@ def generate(
     allow_longer_context: bool = False,
     progress: bool = False,
     steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
+    on_tokens: Callable[[int, np.ndarray], bool | None] | None = None,
 ):
     """Generate up to `max_new_tokens` per prompt. Returns `int32[B, max_new_tokens]`, -1 after a sequence's
     EOS (the EOS token itself is kept), and with `return_logprobs=True` also `f32[B, max_new_tokens]` (the
@@ -357,7 +358,8 @@ def generate(
     steps (Quest's protocol: the question arrives after compression). `eos_token_id` defaults to the model's.
     A request past the model's context (prompt plus `max_new_tokens`) is refused before any work unless
     `allow_longer_context`; `progress` shows a bar over the prefill chunks. `steps_per_dispatch` decode
-    steps run per call to the device (`kvjax.decode_loop`; results do not depend on it).
+    steps run per call to the device (`kvjax.decode_loop`; results do not depend on it). `on_tokens` streams:
+    see `continue_rows`.
     """
     rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
     check_context(model.cfg, max(len(r) for r in rows), max_new_tokens, allow_longer_context)
@@ -365,7 +367,7 @@ def generate(
         model, rows, max_new_tokens, policy, decode_last=decode_last, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, page_size=page_size, capacity=capacity, chunk_size=chunk_size,
         eos_token_id=eos_token_id, return_logprobs=return_logprobs, progress=progress,
-        steps_per_dispatch=steps_per_dispatch,
+        steps_per_dispatch=steps_per_dispatch, on_tokens=on_tokens,
     )
 
 
@@ -373,7 +375,7 @@ def generate_rows(
     model: Model, rows: list[np.ndarray], max_new_tokens: int, policy: Policy | None, *, decode_last: int,
     temperature: float, top_k: int, top_p: float, seed: int, page_size: int, capacity: int | None, chunk_size: int,
     eos_token_id, return_logprobs: bool, backend: StepBackend | None = None, progress: bool = False,
-    steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
+    steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, on_tokens: Callable | None = None,
 ):
     """`generate` on validated token rows, with the state on `backend` (one device by default, or a mesh)."""
     backend = backend or LOCAL_BACKEND
@@ -394,7 +396,7 @@ def generate_rows(
     return continue_rows(
         model, state, logits, [r[len(r) - decode_last :] for r in rows], max_new_tokens, policy,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, return_logprobs=return_logprobs,
-        backend=backend, steps_per_dispatch=steps_per_dispatch,
+        backend=backend, steps_per_dispatch=steps_per_dispatch, on_tokens=on_tokens,
     )
 
 
@@ -433,12 +435,17 @@ def continue_rows(
     policy: Policy, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
     eos_token_id: int | Sequence[int] | None = None, return_logprobs: bool = False,
     backend: StepBackend | None = None, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
+    on_tokens: Callable[[int, np.ndarray], bool | None] | None = None,
 ):
     """Generation from a prefilled (and compressed) state: feed each row's `tails[b]` by decode
     (`feed_tokens`; Quest's protocol for the question), then sample up to `max_new_tokens` per row, as
     `generate` does. The first token is sampled from the prefill's logits; the rest come from
     `kvjax.decode_loop.decode_steps`, `steps_per_dispatch` decode steps (sampling and EOS included) per
-    call to the device, so the host waits once per dispatch rather than once per token. Donates `state`."""
+    call to the device, so the host waits once per dispatch rather than once per token.
+
+    `on_tokens(t, tokens int32[B, n])` (streaming) sees each block of new tokens as it arrives, tokens
+    t .. t + n - 1 (-1 after a row's EOS); returning True stops generation there (the rest stays -1).
+    Donates `state`."""
     backend = backend or LOCAL_BACKEND
     if steps_per_dispatch < 1:
         raise ValueError(f"steps_per_dispatch must be >= 1, got {steps_per_dispatch}")
@@ -453,8 +460,9 @@ def continue_rows(
     out[:, 0], out_logprobs[:, 0] = np.asarray(pending), np.asarray(logprobs)
     done = np.isin(out[:, 0], eos_array)
     done_device, eos_device = jnp.asarray(done), jnp.asarray(eos_array)
+    stopped = on_tokens is not None and bool(on_tokens(0, out[:, :1]))
     t = 1
-    while t < max_new_tokens and not done.all():
+    while t < max_new_tokens and not done.all() and not stopped:
         run = decode_steps(
             model.params, state, logits, pending, key, done_device, eos_device, jnp.int32(max_new_tokens - t),
             step=backend.append_step, steps=steps_per_dispatch, cfg=model.cfg, dtype=model.dtype, policy=policy,
@@ -465,6 +473,7 @@ def continue_rows(
         out[:, t : t + count] = np.asarray(run.tokens)[:, :count]
         out_logprobs[:, t : t + count] = np.asarray(run.logprobs)[:, :count]
         done = np.asarray(done_device)
+        stopped = on_tokens is not None and bool(on_tokens(t, out[:, t : t + count]))
         t += count
     error = backend.overflow_error(state)
     if error is not None:

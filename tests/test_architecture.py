@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("state", ("kvjax.state", "kvjax.compaction")),  # knows no method and no model
     ("models", ("kvjax.models", "kvjax.loading", "kvjax.attention")),
     ("policies", ("kvjax.locret", "kvjax.policies")),
-    ("step", ("kvjax.step", "kvjax.generation", "kvjax.shared_prefill")),
+    ("step", ("kvjax.step", "kvjax.decode_loop", "kvjax.generation", "kvjax.shared_prefill")),
     ("subsystems", ("kvjax.serving", "kvjax.rag", "kvjax.distributed")),  # siblings: none imports another
     ("api", ("kvjax",)),  # the package's public names (kvjax/__init__.py)
     ("programs", ("kvjax.eval", "kvjax.train")),  # use the library's public modules

@@ -1,0 +1,359 @@
+"""An OpenAI-compatible HTTP server over kvjax generation (`kvjax serve`), on FastAPI and uvicorn.
+
+    kvjax serve --model smollm2-135m --port 8000 --policy quest --policy-option token_budget=512
+    curl 127.0.0.1:8000/v1/completions -d '{"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 8}'
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's chat template), both with
+`"stream": true` as server-sent events; `GET /v1/models`; `GET /health`. Sampling per request:
+`temperature`, `top_p`, `top_k` (an extension), `seed`, `max_tokens`, `stop` (strings). The extension
+`kv_policy` picks the request's cache policy: a name with options, `"quest:token_budget=256,dense_layers=2"`,
+or an object `{"name": "quest", "token_budget": 256}`; the server's `--policy` otherwise.
+
+Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad field (named in
+`param`), for a prompt plus `max_tokens` past the server's context, or for a policy that does not build; 404
+for an unknown model. Requests wait in a first-come, first-served queue (a busy server queues, it does not
+refuse) and one worker thread runs them one at a time through `kvjax.generation` (`generate_rows`: chunked
+prefill, the policy's compression, the on-device decode loop), streaming each dispatch's tokens as text.
+What this server does not do yet: batch concurrent requests together (the continuous-batching engine of
+`kvjax.serving.engine` serves the full cache only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from kvjax.generation import generate_rows
+from kvjax.loading import Model
+from kvjax.policies import Policy, make_policy
+from kvjax.policies.options import parse_policy_options
+
+try:  # the `serve` extra: pip install "kvjax[serve]"
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from pydantic import BaseModel, ConfigDict, Field
+except ImportError as error:  # pragma: no cover - the message names the fix
+    raise ImportError(f"kvjax serve needs FastAPI and uvicorn: pip install 'kvjax[serve]' ({error})") from None
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's JSON error with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+# ------------------------------------------------------------------------------------- request bodies
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send fields this server has no use for (user, ...)
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = Field(default=1, ge=1, le=1)
+    kv_policy: str | dict[str, Any] | None = None
+
+
+class CompletionBody(_Sampling):
+    prompt: str | list[int] | list[str]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatBody(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+# ------------------------------------------------------------------------------------------- the worker
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in the queue: what to generate and where its text goes (`emit`, from the worker thread)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    policy: Policy
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: tuple[str, ...]
+    emit: Any  # callable(kind, payload), thread-safe
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class Worker:
+    """Runs queued jobs one at a time on one thread (JAX sees a single caller), first come, first served."""
+
+    def __init__(self, model: Model, chunk_size: int, page_size: int, steps_per_dispatch: int):
+        self.model, self.chunk_size, self.page_size, self.steps = model, chunk_size, page_size, steps_per_dispatch
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name="kvjax-serve", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        self.jobs.put(job)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            if job.cancelled.is_set():
+                continue
+            try:
+                self._run(job)
+            except Exception as error:  # reported to the request, the server goes on
+                job.emit("error", APIError(500, f"generation failed: {type(error).__name__}: {error}", kind="server_error"))
+
+    def _run(self, job: Job) -> None:
+        tokenizer = self.model.tokenizer
+        ids: list[int] = []
+        sent = ""  # text already sent: always a prefix of the final text
+        finish = "length"
+        hold = max((len(s) for s in job.stop), default=1) - 1  # a stop string may still be forming
+        text = ""
+
+        def flush(upto: int) -> None:
+            nonlocal sent
+            if upto > len(sent):
+                job.emit("delta", text[len(sent):upto])
+                sent = text[:upto]
+
+        def on_tokens(t: int, tokens: np.ndarray) -> bool:
+            nonlocal text, finish
+            row = tokens[0]
+            ids.extend(int(x) for x in row if x >= 0)
+            if np.isin(row, self.model.eos_token_ids).any():
+                finish = "stop"
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            hit = min((i for i in (text.find(s) for s in job.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                text, finish = text[:hit], "stop"
+                return True
+            # hold back the characters a stop string could start with, and a character split across tokens
+            flush(len(text.rstrip("\ufffd")) - hold)
+            return job.cancelled.is_set()
+
+        generate_rows(
+            self.model, [np.asarray(job.prompt_ids, np.int32)], job.max_tokens, job.policy, decode_last=0,
+            temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.seed, page_size=self.page_size,
+            capacity=None, chunk_size=self.chunk_size, eos_token_id=None, return_logprobs=False,
+            steps_per_dispatch=self.steps, on_tokens=on_tokens,
+        )
+        flush(len(text))
+        job.emit("done", {"finish_reason": finish, "completion_tokens": len(ids)})
+
+
+# ---------------------------------------------------------------------------------------------- the app
+
+
+def build_policy(spec: str | dict | None, default: Policy) -> Policy:
+    """The request's `kv_policy` (see the module docstring) or `default`; APIError naming `kv_policy`."""
+    if spec is None:
+        return default
+    try:
+        if isinstance(spec, dict):
+            options = dict(spec)
+            name = options.pop("name", None)
+            if not isinstance(name, str):
+                raise ValueError('an object kv_policy needs "name", e.g. {"name": "quest", "token_budget": 256}')
+            policy = make_policy(name, **options)
+        else:
+            name, _, options = spec.partition(":")
+            policy = make_policy(name, **parse_policy_options(name, [o for o in options.split(",") if o]))
+        policy.validate(16)
+    except (ValueError, TypeError) as error:
+        raise APIError(400, f"kv_policy: {error}", param="kv_policy") from None
+    return policy
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    default_policy: Policy
+    max_context: int  # prompt + max_tokens, at most
+    default_max_tokens: int = 16
+    chunk_size: int = 512
+    page_size: int = 16
+    steps_per_dispatch: int = 16
+
+
+def create_app(model: Model, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving `model` (its worker thread starts now; `app.state.worker.close()` stops it)."""
+    if model.tokenizer is None:
+        raise ValueError("kvjax serve needs a model with a tokenizer")
+    app = FastAPI(title="kvjax", description="OpenAI-compatible completions over kvjax's compressed KV caches")
+    worker = Worker(model, config.chunk_size, config.page_size, config.steps_per_dispatch)
+    app.state.worker = worker
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError):
+        first = error.errors()[0]
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = where[0] if where else None
+        message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}"
+        return APIError(400, message, param=param).response()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": config.model_name, "queued": worker.jobs.qsize()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": created,
+                                            "owned_by": "kvjax"}]}
+
+    def check_model(body: _Sampling) -> None:
+        if body.model != config.model_name:
+            raise APIError(404, f"model {body.model!r} is not served here; this server serves {config.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def tokens_of_prompt(body: CompletionBody) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: one prompt per request (a list of several strings is not supported)",
+                               param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return list(model.tokenizer(prompt)["input_ids"])
+        if any(not 0 <= t < model.cfg.vocab_size for t in prompt):
+            raise APIError(400, f"prompt: token ids must be in [0, {model.cfg.vocab_size})", param="prompt")
+        return list(prompt)
+
+    def tokens_of_chat(body: ChatBody) -> list[int]:
+        if not getattr(model.tokenizer, "chat_template", None):
+            raise APIError(400, f"{config.model_name} has no chat template; use /v1/completions", param="messages")
+        messages = [m.model_dump() for m in body.messages]
+        return list(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+    def make_job(body: _Sampling, prompt_ids: list[int], max_tokens: int | None, emit) -> Job:
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        max_tokens = max_tokens or config.default_max_tokens
+        if len(prompt_ids) + max_tokens > config.max_context:
+            raise APIError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds this "
+                                f"server's context of {config.max_context} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        return Job(prompt_ids, max_tokens, build_policy(body.kv_policy, config.default_policy), body.temperature,
+                   body.top_p, body.top_k, body.seed if body.seed is not None else 0, tuple(s for s in stop if s), emit)
+
+    async def run(body: _Sampling, prompt_ids: list[int], max_tokens: int | None, chat: bool):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job = make_job(body, prompt_ids, max_tokens, lambda kind, payload: loop.call_soon_threadsafe(
+            events.put_nowait, (kind, payload)))
+        worker.submit(job)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        kind_name = "chat.completion" if chat else "text_completion"
+        usage = lambda n: {"prompt_tokens": len(prompt_ids), "completion_tokens": n,
+                           "total_tokens": len(prompt_ids) + n}
+
+        if not body.stream:
+            text = []
+            while True:
+                kind, payload = await events.get()
+                if kind == "error":
+                    raise payload
+                if kind == "delta":
+                    text.append(payload)
+                    continue
+                content = "".join(text)
+                choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if chat
+                          else {"index": 0, "text": content, "logprobs": None})
+                return {"id": rid, "object": kind_name, "created": int(time.time()), "model": config.model_name,
+                        "choices": [dict(choice, finish_reason=payload["finish_reason"])],
+                        "usage": usage(payload["completion_tokens"])}
+
+        chunk_name = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                body_delta = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+                choice = {"index": 0, "delta": body_delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            return "data: " + json.dumps({"id": rid, "object": chunk_name, "created": int(time.time()),
+                                          "model": config.model_name, "choices": [choice]}) + "\n\n"
+
+        async def stream():
+            try:
+                if chat:
+                    yield chunk(None, None, first=True)
+                while True:
+                    kind, payload = await events.get()
+                    if kind == "error":
+                        body_error = {"error": {"message": payload.message, "type": payload.kind}}
+                        yield "data: " + json.dumps(body_error) + "\n\n"
+                        return
+                    if kind == "delta":
+                        yield chunk(payload, None)
+                        continue
+                    yield chunk(None, payload["finish_reason"])
+                    yield "data: [DONE]\n\n"
+                    return
+            finally:
+                job.cancelled.set()  # a client that went away stops its generation
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        check_model(body)
+        return await run(body, tokens_of_prompt(body), body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody):
+        check_model(body)
+        return await run(body, tokens_of_chat(body), body.max_completion_tokens or body.max_tokens, chat=True)
+
+    return app
+
+
+def serve(model: Model, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve until interrupted."""
+    import uvicorn
+
+    app = create_app(model, config)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        app.state.worker.close()
+
+
+__all__ = ["APIError", "ServerConfig", "build_policy", "create_app", "serve"]

@@ -1,0 +1,146 @@
+"""`kvjax serve`: the OpenAI-compatible server answers the official `openai` client on 127.0.0.1.
+
+The server runs in a thread of this process (uvicorn on a free port) over the shipped tiny model; its
+answers are compared with `kvjax.generate` on the same tokens and policy.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvjax
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+from kvjax.serving.http import ServerConfig, create_app  # noqa: E402
+
+NAME = "tiny"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvjax.load_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model.tokenizer.chat_template = CHAT_TEMPLATE  # the tiny model's tokenizer has none
+    app = create_app(model, ServerConfig(NAME, kvjax.make_policy("full"), max_context=1024, steps_per_dispatch=4))
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert uv.started, "the server did not start"
+    yield f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(timeout=10)
+    app.state.worker.close()
+    model.tokenizer.chat_template = None
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def expected(model, ids, max_new, policy=None, **sampling):
+    tokens = kvjax.generate(model, [ids], max_new, policy, **sampling)[0]
+    return model.tokenizer.decode([int(t) for t in tokens if t >= 0], skip_special_tokens=True)
+
+
+PROMPT = "alpha 12 beta 34 gamma 56 alpha"
+
+
+def test_completion_equals_generate(model, client):
+    ids = model.tokenizer(PROMPT)["input_ids"]
+    reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert reply.choices[0].text == expected(model, ids, 12)
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens <= 12
+    assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_sampling_and_kv_policy_per_request(model, client):
+    ids = model.tokenizer(PROMPT)["input_ids"]
+    quest = kvjax.make_policy("quest", token_budget=32, dense_layers=0)
+    reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0.8, top_p=0.9, seed=7,
+                                      extra_body={"kv_policy": "quest:token_budget=32,dense_layers=0", "top_k": 20})
+    assert reply.choices[0].text == expected(model, ids, 10, quest, temperature=0.8, top_p=0.9, top_k=20, seed=7)
+    as_object = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0.8, top_p=0.9,
+                                          seed=7, extra_body={"kv_policy": {"name": "quest", "token_budget": 32,
+                                                                            "dense_layers": 0}, "top_k": 20})
+    assert as_object.choices[0].text == reply.choices[0].text
+
+
+def test_streamed_chat_equals_the_whole_answer(model, client):
+    messages = [{"role": "user", "content": PROMPT}]
+    ids = list(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == expected(model, ids, 12)
+    parts, finishes = [], []
+    for chunk in client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0, stream=True):
+        parts.append(chunk.choices[0].delta.content or "")
+        finishes.append(chunk.choices[0].finish_reason)
+    assert "".join(parts) == whole.choices[0].message.content
+    assert finishes[-1] in ("length", "stop") and all(f is None for f in finishes[:-1])
+
+
+def test_stop_strings_cut_the_text(model, client):
+    ids = model.tokenizer(PROMPT)["input_ids"]
+    free = expected(model, ids, 12)
+    stop = free.strip()[:2]
+    assert stop, f"nothing generated to stop on: {free!r}"
+    reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert reply.choices[0].text == free[: free.find(stop)] and reply.choices[0].finish_reason == "stop"
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    import httpx
+
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("kwargs, param, status", [
+    (dict(temperature=-1.0), "temperature", 400),
+    (dict(max_tokens=0), "max_tokens", 400),
+    (dict(max_tokens=2000), "max_tokens", 400),  # past the server's 1024-token context
+    (dict(extra_body={"kv_policy": "nonsense"}), "kv_policy", 400),
+    (dict(extra_body={"kv_policy": "quest:token_budget=abc"}), "kv_policy", 400),
+    (dict(model="other"), "model", 404),
+])
+def test_bad_requests_get_json_errors_naming_the_field(client, kwargs, param, status):
+    kwargs = {"model": NAME, "prompt": PROMPT, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(**kwargs)
+    assert info.value.status_code == status
+    error = info.value.body if isinstance(info.value.body, dict) else {}
+    assert error.get("param") == param, info.value.body
+
+
+def test_concurrent_requests_queue_and_all_finish(model, server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+    prompts = [f"alpha {i} beta {i + 1}" for i in range(6)]
+    results = [None] * len(prompts)
+
+    def ask(i):
+        results[i] = client.completions.create(model=NAME, prompt=prompts[i], max_tokens=6, temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for p, got in zip(prompts, results):
+        assert got == expected(model, model.tokenizer(p)["input_ids"], 6)
