@@ -44,6 +44,26 @@ def dense_causal_attention(
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
+def masked_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float | None = None,
+    return_probs: bool = False,
+):
+    """The masked-attention reference every cache layout reduces to: queries `q [B, T, Hq, D]` over keys and
+    values `k, v [B, H, S, D]` (kv-head major) where `visible` (bool, broadcastable to `[B, H, G, T, S]`).
+    Query head h*G + g reads kv head h. Scores and softmax in float32; a row that sees nothing is uniform
+    over masked scores (finite, no NaN). Returns `[B, T, Hq, D]`, and with `return_probs` also the
+    probabilities `f32[B, H, G, T, S]` (0 where not visible). `paged_attention` (the KV state), the serving
+    engine's pool (`kvjax.serving.paged_step`) and CacheClip's recomputation (`kvjax.rag.selective`) call it."""
+    B, T, Hq, D = q.shape
+    H = k.shape[1]
+    scale = D**-0.5 if scale is None else scale
+    qg = grouped_queries(q, H)
+    scores = jnp.einsum("bthgd,bhsd->bhgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.where(visible, scores, MASKED), axis=-1)
+    out = jnp.einsum("bhgts,bhsd->bthgd", probs.astype(q.dtype), v.astype(q.dtype)).reshape(B, T, Hq, D)
+    return (out, jnp.where(visible, probs, 0.0)) if return_probs else out
+
+
 def paged_attention(
     q: jax.Array, q_positions: jax.Array, state: KVState, layer, scale: float | None = None,
     return_probs: bool = False,
@@ -51,17 +71,9 @@ def paged_attention(
     """Queries `q [B, T, Hq, D]` at `q_positions int32[B, T]` over every valid slot of `layer` whose original
     position is not after the query's (so a chunk is causal within itself). Returns `[B, T, Hq, D]`, and
     with `return_probs` also the probabilities `f32[B, H, G, T, S]` in `gather_layer`'s slot order."""
-    B, T, Hq, D = q.shape
     k, v, slot_pos, valid = gather_layer(state, layer)  # [B, H, S, D], [B, H, S]
-    H = k.shape[1]
-    scale = D**-0.5 if scale is None else scale
-    qg = grouped_queries(q, H)
-    scores = jnp.einsum("bthgd,bhsd->bhgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32) * scale
     visible = valid[:, :, None, None, :] & (slot_pos[:, :, None, None, :] <= q_positions[:, None, None, :, None])
-    scores = jnp.where(visible, scores, MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhgts,bhsd->bthgd", probs.astype(q.dtype), v.astype(q.dtype)).reshape(B, T, Hq, D)
-    return (out, jnp.where(visible, probs, 0.0)) if return_probs else out
+    return masked_attention(q, k, v, visible, scale, return_probs)
 
 
 def _layer_table(state: KVState, layer):

@@ -13,27 +13,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax.attention import masked_attention as reference_attention
 from kvjax.config import ModelConfig
 from kvjax.models import CausalLM, layer_params
 from kvjax.models.transformer import DecoderLayer
 from kvjax.rope import rope_frequencies
 
-_MASKED = -1e30
-
-
 def masked_attention(q, q_slots, k, v, valid, return_probs: bool = False):
     """Queries `q [B, n, Hq, D]` at slots `q_slots int32[B, n]` over keys `k, v [B, S, H, D]`: a query
-    sees slot j when j <= its slot and `valid bool[B, S]`. Returns `[B, n, Hq, D]`, and with `return_probs`
-    also the head-averaged probabilities `f32[B, n, S]`."""
-    B, n, Hq, D = q.shape
-    H = k.shape[2]
-    qg = q.reshape(B, n, H, Hq // H, D)
-    scores = jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32) * D**-0.5
+    sees slot j when j <= its slot and `valid bool[B, S]` (`kvjax.attention.masked_attention` with that
+    mask). Returns `[B, n, Hq, D]`, and with `return_probs` also the head-averaged probabilities `f32[B, n, S]`."""
     visible = (jnp.arange(k.shape[1])[None, None, :] <= q_slots[:, :, None]) & valid[:, None, :]  # [B, n, S]
-    scores = jnp.where(visible[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhgts,bshd->bthgd", probs.astype(q.dtype), v.astype(q.dtype)).reshape(B, n, Hq, D)
-    return (out, probs.mean(axis=(1, 2))) if return_probs else (out, None)
+    k, v, visible = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), visible[:, None, None]
+    if not return_probs:
+        return reference_attention(q, k, v, visible), None
+    out, probs = reference_attention(q, k, v, visible, return_probs=True)
+    return out, probs.mean(axis=(1, 2))
 
 
 def embed(params, cfg: ModelConfig, dtype, tokens):

@@ -15,7 +15,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import MASKED, grouped_queries
+from kvjax.attention import masked_attention
 from kvjax.config import ModelConfig
 from kvjax.models import CausalLM, Segment, segments_by
 from kvjax.rope import rope_frequencies
@@ -42,20 +42,15 @@ def window_attention(
     """Queries `q [B, T, Hq, D]` at `q_positions int32[B, T]` over keys `k, v [B, S, H, D]` at
     `key_positions int32[B, S]` where `key_valid bool[B, S]`: a query at p sees valid keys at p - window + 1
     .. p (HF's Mistral / Gemma-2 sliding mask), every valid key at or before p when `window` is 0 (an int
-    or an int32 scalar, traced inside a scan over layers). Softmax in float32. Returns `[B, T, Hq, D]`."""
-    B, T, Hq, D = q.shape
-    H = k.shape[2]
-    qg = grouped_queries(q, H)  # [B, T, H, G, D]
-    scores = jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32) * D**-0.5
+    or an int32 scalar, traced inside a scan over layers): `kvjax.attention.masked_attention` with that mask.
+    Returns `[B, T, Hq, D]`."""
     qp = q_positions[:, None, None, :, None]  # [B, 1, 1, T, 1]
     kp = key_positions[:, None, None, None, :]  # [B, 1, 1, 1, S]
     visible = key_valid[:, None, None, None, :] & (kp <= qp) & ((window == 0) | (kp > qp - window))
-    probs = jax.nn.softmax(jnp.where(visible, scores, MASKED), axis=-1)
     # Pages may hold stale bytes of another dtype (NaN as floats): zero what is not read so 0 * NaN
     # cannot reach the output.
-    v = jnp.where(key_valid[:, :, None, None], v.astype(q.dtype), 0)
-    out = jnp.einsum("bhgts,bshd->bthgd", probs.astype(q.dtype), v)
-    return out.reshape(B, T, Hq, D)
+    v = jnp.where(key_valid[:, :, None, None], v, 0)
+    return masked_attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), visible)
 
 
 def _as_rows(x: jax.Array, dtype, row: int) -> jax.Array:
