@@ -2,7 +2,7 @@
 multi-document RAG with the shipped model: accuracy against recompute ratio, and prefill time.
 
 A prompt is `<s>` + a short system prefix + 8 chunks of 256 tokens + a multi-key question. The chunks are
-the shipped filler holding records "{key} d d d d ." (train/synthetic.py); the asked record straddles a
+the shipped filler holding records "{key} d d d d ." (kvjax.tasks.rag_records); the asked record straddles a
 chunk boundary ("tiger 4 7 | 1 9 .": the second chunk's first tokens were encoded without what precedes
 them), so answering needs attention across chunks. A control set asks a record that lies inside one chunk.
 Answers: greedy decoding through `kvjax.decode_step`, exact match of the 4 digits.
@@ -27,67 +27,18 @@ import numpy as np
 
 from ._report import default_out, machine_info, markdown_table, write_outputs
 from kvjax.tasks import synthetic
+from kvjax.tasks.rag_records import rag_prompt
 
-SYSTEM_PREFIX = "read the context document below and answer the question ."
 DEFAULT_MODEL = "kvjax/assets/tiny-llama"
-RECORD_LEN = len(synthetic.record_words("key", "1234"))  # key, 4 digits, "."
-
-
-# ------------------------------------------------------------------------------------------------ data
-
-
-def _filler_ending_at_sentence_end(rng, n: int) -> list[str]:
-    """`n` filler words continuing the cycle so that they end with a sentence's '.' (records follow a '.',
-    as in training); they may start mid-sentence."""
-    ends = [i for i, w in enumerate(synthetic.FILLER_WORDS) if w == "."]
-    end = int(rng.choice(ends))
-    offset = (end + 1 - n) % len(synthetic.FILLER_WORDS)
-    return synthetic.filler_words(n, offset)
-
-
-def rag_sample(rng, num_chunks: int, chunk_len: int, num_records: int, straddle: bool):
-    """(chunks as word lists, question, answer, start, split): the asked record starts at document token
-    `start` and straddles a chunk boundary (split = its tokens before the boundary, 1..5) or lies inside
-    one chunk (split = 0)."""
-    records = synthetic.multikey_records(rng, num_records)
-    words = [synthetic.record_words(k, v) for k, v in records]
-    size = RECORD_LEN
-    total = num_chunks * chunk_len
-    if straddle:
-        boundary = chunk_len * int(rng.integers(1, num_chunks))
-        split = int(rng.integers(1, size))
-        asked_start = boundary - split
-    else:
-        split, chunk = 0, int(rng.integers(num_chunks))
-        asked_start = chunk * chunk_len + int(rng.integers(16, chunk_len - size - 16))
-    starts = [asked_start]
-    while len(starts) < num_records:  # the others anywhere, at least 12 tokens from each other
-        start = int(rng.integers(12, total - size))
-        if all(abs(start - s) >= size + 12 for s in starts):
-            starts.append(start)
-    order = np.argsort(starts)
-    doc, cursor = [], 0
-    for i in order:
-        doc += _filler_ending_at_sentence_end(rng, starts[i] - cursor) + words[i]
-        cursor = starts[i] + size
-    doc += synthetic.filler_words(total - cursor)
-    chunks = [doc[c * chunk_len : (c + 1) * chunk_len] for c in range(num_chunks)]
-    key, value = records[0]
-    return chunks, synthetic.MULTIKEY_QUESTION.format(key=key), value, asked_start, split
-
-
-def encode_words(tokenizer, words, bos: bool = False) -> np.ndarray:
-    ids = tokenizer(" ".join(words), add_special_tokens=False)["input_ids"]
-    if len(ids) != len(words):
-        raise ValueError(f"expected one token per word (the shipped word-level tokenizer), got {len(ids)} for {len(words)}")
-    return np.asarray(([tokenizer.bos_token_id] if bos else []) + ids, np.int32)
 
 
 # --------------------------------------------------------------------------------------------- methods
 
 
-def method_table(ratios, blend_ratios, aux_layers):
-    """name -> (rag_prefill method, ratio, extra kwargs)."""
+def method_table(ratios, blend_ratios, aux_layers, tuned_aux: str | None = None):
+    """name -> (rag_prefill method, ratio, extra kwargs). With `tuned_aux` (a `train.cacheclip_aux` output's
+    `aux/` directory) also CacheClip with the tuned auxiliary model, which prefills the prompt itself (its
+    layers are no longer the main model's, so it cannot read the main model's reused K/V)."""
     table = {"full": ("full", None, {}), "recompute_all": ("recompute_all", 1.0, {}), "reuse": ("reuse", None, {}),
              "ape": ("ape", None, {})}
     for r in blend_ratios:
@@ -95,6 +46,10 @@ def method_table(ratios, blend_ratios, aux_layers):
     for r in ratios:
         table[f"cacheclip@{r:g}"] = ("cacheclip", r, {"aux_layers": aux_layers})
     table[f"cacheclip-nogroup@{0.2:g}"] = ("cacheclip", 0.2, {"aux_layers": aux_layers, "grouping": False})
+    if tuned_aux:
+        for r in ratios:
+            table[f"cacheclip-untuned-full@{r:g}"] = ("cacheclip", r, {"aux_layers": aux_layers, "aux_context": "full"})
+            table[f"cacheclip-tuned@{r:g}"] = ("cacheclip", r, {"tuned_aux": tuned_aux})
     return table
 
 
@@ -106,11 +61,17 @@ def run_method(model, store, request, spec, aux_cache):
     if method == "recompute_all":
         ratio = None
     if method == "cacheclip":
-        n = extra["aux_layers"]
-        context = extra.get("aux_context", "reuse")
-        if (n, context) not in aux_cache:
-            aux_cache[(n, context)] = AuxScorer.truncated(model, n, context)
-        kwargs = {"aux": aux_cache[(n, context)], "grouping": extra.get("grouping", True)}
+        if "tuned_aux" in extra:
+            key = ("tuned", extra["tuned_aux"])
+            if key not in aux_cache:
+                from kvjax.rag.aux_tuning import load_aux
+
+                aux_cache[key] = AuxScorer(load_aux(model, extra["tuned_aux"]), context="full")
+        else:
+            key = (extra["aux_layers"], extra.get("aux_context", "reuse"))
+            if key not in aux_cache:
+                aux_cache[key] = AuxScorer.truncated(model, *key)
+        kwargs = {"aux": aux_cache[key], "grouping": extra.get("grouping", True)}
     prefix, chunks, query = request
     return rag_prefill(model, store, prefix, chunks, query, method, ratio=ratio, max_new_tokens=8, **kwargs)
 
@@ -155,6 +116,8 @@ def main(argv=None):
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.4])
     parser.add_argument("--blend-ratios", type=float, nargs="+", default=[0.1, 0.15, 0.2, 0.4])
     parser.add_argument("--aux-layers", type=int, default=None, help="auxiliary model = the first N layers")
+    parser.add_argument("--tuned-aux", default=None,
+                        help="a tuned auxiliary model (train.cacheclip_aux's aux/ directory): adds cacheclip-tuned@r")
     parser.add_argument("--aux-sweep", action="store_true", help="also CacheClip@0.2 with every aux depth and the full-prefill aux")
     parser.add_argument("--timing-prompts", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=7)
@@ -169,24 +132,19 @@ def main(argv=None):
     tok = model.tokenizer
     L = model.cfg.num_layers
     aux_layers = args.aux_layers or max(1, L // 2)
-    methods = method_table(args.ratios, args.blend_ratios, aux_layers)
+    methods = method_table(args.ratios, args.blend_ratios, aux_layers, args.tuned_aux)
     if args.aux_sweep:
         for n in range(1, L):
             methods[f"cacheclip@0.2 aux={n}"] = ("cacheclip", 0.2, {"aux_layers": n})
         methods[f"cacheclip@0.2 aux={aux_layers} full-aux"] = ("cacheclip", 0.2, {"aux_layers": aux_layers, "aux_context": "full"})
     rng = np.random.default_rng(args.seed)
-    prefix = encode_words(tok, SYSTEM_PREFIX.split(), bos=True)
 
     sets = {}
     for name, straddle in (("straddling", True), ("within-chunk", False)):
         prompts = []
         for _ in range(args.samples):
-            chunks, question, value, start, split = rag_sample(rng, args.chunks, args.chunk_len, args.records, straddle)
-            chunk_ids = [encode_words(tok, c) for c in chunks]
-            # slots (in the assembled context) of the asked record's tokens after the chunk boundary
-            after = len(prefix) + np.arange(start + split, start + RECORD_LEN) if split else None
-            meta = {"answer": value, "split": split, "after_boundary": after}
-            prompts.append(((prefix, chunk_ids, encode_words(tok, question.split())), meta))
+            prefix, chunk_ids, question, meta = rag_prompt(tok, rng, args.chunks, args.chunk_len, args.records, straddle)
+            prompts.append(((prefix, chunk_ids, question), meta))
         sets[name] = prompts
 
     store = ChunkStore(model)

@@ -80,7 +80,8 @@ BENCHMARKS = {
     "trace-needle": "kvjax.eval.trace_needle", "locret-labels": "kvjax.eval.bench_locret_labels",
     "suite": "kvjax.eval.suite", "compare": "kvjax.eval.compare", "dispatch": "kvjax.eval.bench_dispatch",
 }
-TRAINERS = {"locret": "kvjax.train.locret", "default-model": "kvjax.train.train_default_model"}
+TRAINERS = {"locret": "kvjax.train.locret", "default-model": "kvjax.train.train_default_model",
+            "cacheclip-aux": "kvjax.train.cacheclip_aux"}
 DEMO, EVALUATE = "kvjax.eval.demo", "kvjax.eval.evaluate"
 
 

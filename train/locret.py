@@ -118,7 +118,8 @@ def _truncate_metrics(path: str, last_step: int) -> None:
         f.writelines(lines)
 
 
-def plot_losses(metrics_path: str, png: str, title: str = "Locret heads") -> str:
+def plot_losses(metrics_path: str, png: str, title: str = "Locret heads",
+                ylabel: str = "Smooth-L1 + alpha * smoothness") -> str:
     """The loss per step of `metrics.jsonl` (and its running mean over 50 steps) as a PNG."""
     import matplotlib
 
@@ -136,7 +137,7 @@ def plot_losses(metrics_path: str, png: str, title: str = "Locret heads") -> str
         mean = np.convolve(losses, np.ones(window) / window, mode="valid")
         ax.plot(steps[window - 1 :], mean, lw=1.5, label=f"mean of {window}")
     ax.set_xlabel("step")
-    ax.set_ylabel("Smooth-L1 + alpha * smoothness")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
