@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--target", choices=["answer", "question"], default="answer",
+                   help="rows of the main model's attention to match: the question and the answer (default), or the question")
     p.add_argument("--ratio", type=float, default=0.2, help="recompute ratio the recall is measured at")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
@@ -58,10 +60,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def prompts(tokenizer, count: int, args, seed: int, straddle_only: bool = False):
-    """`count` prompts as (tokens int32[T], context_len, meta); every prompt has the same T."""
+    """`count` prompts as (tokens int32[T], context_len, meta): context, question, then the answer's tokens
+    (the record's digits, teacher-forced); every prompt has the same T and the same question and answer
+    lengths (meta["question_len"], meta["answer_len"])."""
     import numpy as np
 
-    from kvjax.tasks.rag_records import rag_prompt
+    from kvjax.tasks.rag_records import encode_words, rag_prompt
 
     rng = np.random.default_rng(seed)
     out = []
@@ -69,10 +73,12 @@ def prompts(tokenizer, count: int, args, seed: int, straddle_only: bool = False)
         prefix, chunks, question, meta = rag_prompt(tokenizer, rng, args.chunks, args.chunk_len, args.records,
                                                     straddle=straddle_only or i % 2 == 0)
         context = np.concatenate([prefix, *chunks])
-        out.append((np.concatenate([context, question]).astype(np.int32), len(context), meta))
-    lengths = {len(t) for t, _, _ in out}
-    if len(lengths) != 1:
-        raise ValueError(f"prompts of several lengths {sorted(lengths)}: the recipe should give one")
+        answer = encode_words(tokenizer, list(meta["answer"]))
+        meta = dict(meta, question_len=len(question), answer_len=len(answer))
+        out.append((np.concatenate([context, question, answer]).astype(np.int32), len(context), meta))
+    shapes = {(len(t), m["question_len"], m["answer_len"]) for t, _, m in out}
+    if len(shapes) != 1:
+        raise ValueError(f"prompts of several shapes {sorted(shapes)}: the recipe should give one")
     return out
 
 
@@ -113,10 +119,10 @@ def main(argv=None) -> dict:
     aux = truncated_model(main_model, layers)
     train_data = prompts(main_model.tokenizer, args.samples, args, args.seed)
     eval_data = prompts(main_model.tokenizer, args.eval_samples, args, args.seed + 10_000, straddle_only=True)
-    query_len = len(train_data[0][0]) - train_data[0][1]
-
-    target_fn = jax.jit(lambda p, t: attention_target(p, t, query_len, cfg=main_model.cfg, dtype=main_model.dtype))
-    aux_fn = jax.jit(lambda p, t: aux_attention(p, t, query_len, cfg=aux.cfg, dtype=aux.dtype))
+    query_len, answer_len = train_data[0][2]["question_len"], train_data[0][2]["answer_len"]
+    target_fn = jax.jit(lambda p, t: attention_target(p, t, query_len, answer_len, cfg=main_model.cfg,
+                                                      dtype=main_model.dtype, answer_rows=args.target == "answer"))
+    aux_fn = jax.jit(lambda p, t: aux_attention(p, t, query_len, answer_len, cfg=aux.cfg, dtype=aux.dtype))
 
     def in_batches(fn, params, data, desc=None):
         rows = []
@@ -131,7 +137,7 @@ def main(argv=None) -> dict:
     print(f"before tuning: {before}", file=sys.stderr)
 
     optimizer = make_optimizer(args.lr, args.steps, args.warmup)
-    step_fn = make_train_step(optimizer, cfg=aux.cfg, query_len=query_len, dtype=aux.dtype)
+    step_fn = make_train_step(optimizer, cfg=aux.cfg, query_len=query_len, answer_len=answer_len, dtype=aux.dtype)
     params, opt_state = aux.params, optimizer.init(aux.params)
 
     os.makedirs(args.out, exist_ok=True)

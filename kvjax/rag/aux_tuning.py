@@ -6,9 +6,13 @@ model's first layers do, which is not where the main model's answer needs cross-
 (measured: straddler recall 0.14 against CacheBlend's 0.83, docs/cacheclip.md). The paper's first technique
 fine-tunes the auxiliary model so its attention matches the main model's. Here:
 
-- **target** (`attention_target`): the main model's attention from the last `query_len` tokens (the
-  question) over the context, averaged over layers, heads and query rows, from a dense causal forward of
-  the whole prompt (what full prefill attends to);
+- **target** (`attention_target`): the main model's attention from the question's `query_len` tokens and,
+  in training, the answer's `answer_len` tokens that follow it (teacher-forced), over the context,
+  averaged over layers, heads and rows, from a dense causal forward (what full prefill and the answer's
+  decode steps attend to). The answer's rows matter: in the tiny model the question's own attention
+  points at the asked record's first digit, while the digits after a chunk boundary are read only by
+  the later decode steps (docs/cacheclip.md), so a question-only target cannot teach the selection to
+  find them;
 - **prediction** (`aux_attention`): the auxiliary model's last-layer attention from the same rows,
   averaged over heads and rows: exactly what `AuxScorer(context="full")` scores with;
 - **loss** (`aux_loss`): KL(target || prediction) over the context positions, each renormalised over
@@ -37,8 +41,8 @@ from kvjax.models import CausalLM
 from kvjax.rope import rope_frequencies
 
 
-def _query_attention(params, tokens, query_len: int, *, cfg: ModelConfig, dtype, last_layer_only: bool) -> jax.Array:
-    """f32[B, T]: attention of the last `query_len` rows, averaged over heads and rows, and over layers (or
+def _rows_attention(params, tokens, first: int, stop: int, *, cfg: ModelConfig, dtype, last_layer_only: bool) -> jax.Array:
+    """f32[B, T]: attention of rows `first .. stop - 1`, averaged over heads and rows, and over layers (or
     the last layer's alone), from a dense causal forward of `tokens int32[B, T]`."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -47,8 +51,8 @@ def _query_attention(params, tokens, query_len: int, *, cfg: ModelConfig, dtype,
     def attend(layer, inputs, total):
         k, v = jnp.swapaxes(inputs.k, 1, 2), jnp.swapaxes(inputs.v, 1, 2)  # [B, H, T, D]
         out = masked_attention(inputs.q, k, v, causal)
-        # the question's rows again, for their probabilities alone (a [B, H, G, Q, T] tensor, not [.., T, T])
-        _, probs = masked_attention(inputs.q[:, T - query_len :], k, v, causal[T - query_len :], return_probs=True)
+        # the rows again, for their probabilities alone (a [B, H, G, rows, T] tensor, not [.., T, T])
+        _, probs = masked_attention(inputs.q[:, first:stop], k, v, causal[first:stop], return_probs=True)
         rows = probs.mean(axis=(1, 2, 3))  # [B, T]
         return out, (rows if last_layer_only else total + rows)
 
@@ -58,14 +62,22 @@ def _query_attention(params, tokens, query_len: int, *, cfg: ModelConfig, dtype,
     return total if last_layer_only else total / cfg.num_layers
 
 
-def attention_target(params, tokens, query_len: int, *, cfg: ModelConfig, dtype=jnp.float32) -> jax.Array:
-    """The main model's attention from the question over the prompt, `f32[B, T]`, averaged over its layers."""
-    return _query_attention(params, tokens, query_len, cfg=cfg, dtype=dtype, last_layer_only=False)
+def attention_target(params, tokens, query_len: int, answer_len: int = 0, *, cfg: ModelConfig, dtype=jnp.float32,
+                     answer_rows: bool = True) -> jax.Array:
+    """The main model's attention, `f32[B, T]` averaged over its layers, from the question and (with
+    `answer_rows`) the answer: `tokens` end with `query_len` question tokens then `answer_len` answer tokens."""
+    T = tokens.shape[1]
+    stop = T if answer_rows else T - answer_len
+    return _rows_attention(params, tokens, T - answer_len - query_len, stop, cfg=cfg, dtype=dtype, last_layer_only=False)
 
 
-def aux_attention(params, tokens, query_len: int, *, cfg: ModelConfig, dtype=jnp.float32) -> jax.Array:
-    """The auxiliary model's last-layer attention from the question over the prompt, `f32[B, T]`."""
-    return _query_attention(params, tokens, query_len, cfg=cfg, dtype=dtype, last_layer_only=True)
+def aux_attention(params, tokens, query_len: int, answer_len: int = 0, *, cfg: ModelConfig,
+                  dtype=jnp.float32) -> jax.Array:
+    """The auxiliary model's last-layer attention from the question alone, `f32[B, T]` (`tokens` as for
+    `attention_target`; causal, so answer tokens after the question change nothing)."""
+    T = tokens.shape[1]
+    return _rows_attention(params, tokens, T - answer_len - query_len, T - answer_len, cfg=cfg, dtype=dtype,
+                           last_layer_only=True)
 
 
 def _on_context(x: jax.Array, context_len: jax.Array) -> jax.Array:
@@ -75,11 +87,12 @@ def _on_context(x: jax.Array, context_len: jax.Array) -> jax.Array:
     return x / jnp.maximum(x.sum(axis=1, keepdims=True), 1e-20)
 
 
-def aux_loss(aux_params, tokens, target, context_len, query_len: int, *, cfg: ModelConfig, dtype=jnp.float32):
+def aux_loss(aux_params, tokens, target, context_len, query_len: int, answer_len: int = 0, *, cfg: ModelConfig,
+             dtype=jnp.float32):
     """Mean over prompts of KL(target || auxiliary) on the context positions (`context_len int32[B]`: the
     tokens before the question; padding is never among them). `target f32[B, T]` from `attention_target`."""
     p = _on_context(target, context_len)
-    q = _on_context(aux_attention(aux_params, tokens, query_len, cfg=cfg, dtype=dtype), context_len)
+    q = _on_context(aux_attention(aux_params, tokens, query_len, answer_len, cfg=cfg, dtype=dtype), context_len)
     kl = jnp.where(p > 0, p * (jnp.log(jnp.maximum(p, 1e-20)) - jnp.log(jnp.maximum(q, 1e-20))), 0.0)
     return kl.sum(axis=1).mean()
 
@@ -91,13 +104,15 @@ def make_optimizer(learning_rate: float = 1e-4, total_steps: int = 300, warmup_s
     return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(schedule, weight_decay=weight_decay))
 
 
-def make_train_step(optimizer: optax.GradientTransformation, *, cfg: ModelConfig, query_len: int, dtype=jnp.float32):
+def make_train_step(optimizer: optax.GradientTransformation, *, cfg: ModelConfig, query_len: int, answer_len: int = 0,
+                    dtype=jnp.float32):
     """A jitted `step(aux_params, opt_state, tokens, target, context_len) -> (aux_params, opt_state, loss)`;
     `cfg` is the auxiliary model's. The parameters and optimizer state are donated."""
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(aux_params, opt_state, tokens, target, context_len):
-        loss, grads = jax.value_and_grad(aux_loss)(aux_params, tokens, target, context_len, query_len, cfg=cfg, dtype=dtype)
+        loss, grads = jax.value_and_grad(aux_loss)(aux_params, tokens, target, context_len, query_len, answer_len,
+                                                   cfg=cfg, dtype=dtype)
         updates, opt_state = optimizer.update(grads, opt_state, aux_params)
         return optax.apply_updates(aux_params, updates), opt_state, loss
 
