@@ -188,3 +188,17 @@ def test_shipped_tiny_heads_load_by_name():
     tokens = np.asarray(model.tokenizer(" ".join(["the sky is blue ."] * 40))["input_ids"], np.int32)[None]
     state, _ = kvjax.prefill(model, tokens, policy=policy, chunk_size=64, max_new_tokens=2)
     assert {len(p) for layer in kept_positions(state) for p in layer[0]} == {48}
+
+
+def test_shipped_smollm2_heads_load_by_name_and_fit_the_size_limit():
+    import os
+
+    path = heads_module.shipped_heads_path("smollm2-135m")
+    assert os.path.getsize(path) <= 10 * 1000 * 1000, "the shipped heads must stay under 10 MB"
+    assert "smollm2-135m" in heads_module.shipped_heads()
+    policy = kvjax.make_policy("locret", heads="smollm2-135m", token_budget=256, stabilizers=64, local_tail=64)
+    config = policy.heads.config
+    # SmolLM2-135M's shape (the registry's model; its config is checked against the real file in test_real_model)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (30, 9, 3, 64)
+    assert config.hidden_size == 128
+    assert all(w.dtype == "bfloat16" for w in jax.tree_util.tree_leaves(policy.heads.params))

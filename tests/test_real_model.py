@@ -91,3 +91,18 @@ def test_snapkv_end_to_end(model, reference):
         out.append(int(np.argmax(np.asarray(logits)[0])))
     text = model.tokenizer.decode(out, skip_special_tokens=True)
     assert len(text.split()) >= 5, text  # a compressed cache still gives words
+
+
+def test_shipped_locret_heads_evict_during_chunked_prefill(model):
+    passage = open(LICENSE).read()[:3000] if os.path.isfile(LICENSE) else ENGLISH * 6
+    ids = chat_ids(model, passage + "\n\nIn one sentence, what is this text about?")
+    assert len(ids) > 600
+    policy = kvjax.make_policy("locret", heads=NAME, token_budget=192, stabilizers=32, local_tail=32)
+    policy.heads.config.check_model(model.cfg)
+    state, logits = kvjax.prefill(model, [ids], policy=policy, chunk_size=256, max_new_tokens=8)
+    kept = kept_positions(state)
+    assert {len(head) for layer in kept for row in layer for head in row} == {192}
+    assert all(len(ids) - 1 in head for layer in kept for row in layer for head in row)  # the local tail stays
+    assert state.capacity < len(ids)  # the pool holds budget + a chunk, not the prompt
+    out = kvjax.generate(model, [ids], 8, policy, chunk_size=256)[0]
+    assert (out >= 0).sum() >= 1
