@@ -142,3 +142,23 @@ def device_tag(dtype: str, threads: int | None = None) -> dict[str, Any]:
         "threads": threads if threads is not None else usable_cpus(), "dtype": dtype,
         "llc_bytes": last_level_cache_bytes(), "os": info["platform"],
     }
+
+
+def rss_mib(field: str) -> float:
+    """This process's `field` of /proc/self/status (VmRSS, VmHWM, ...) in MiB (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM to its current RSS (Linux: `5` to /proc/self/clear_refs); False where the
+    kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True

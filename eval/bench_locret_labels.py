@@ -23,21 +23,7 @@ import subprocess
 import sys
 import time
 
-from ._report import default_out, machine_info, markdown_table, write_outputs
-
-
-def _rss_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    """Reset this process's VmHWM to its current RSS (Linux: `5` to /proc/self/clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+from ._report import default_out, machine_info, markdown_table, reset_peak_rss, rss_mib, write_outputs
 
 
 def run_point(args, length: int) -> dict:
@@ -67,22 +53,22 @@ def run_point(args, length: int) -> dict:
         fn = make_train_step(optimizer, cfg=cfg, dtype=model.dtype, chunk_size=args.chunk)
         call_args = (heads, optimizer.init(heads), model.params, batch)
     jax.block_until_ready(call_args)
-    rss_before = _rss_mib("VmRSS")
+    rss_before = rss_mib("VmRSS")
     began = time.perf_counter()
     compiled = fn.lower(*call_args).compile()
     compile_s = time.perf_counter() - began
     plan = compiled.memory_analysis()
-    run_s, run_peak, rss_after_compile = None, None, _rss_mib("VmRSS")
+    run_s, run_peak, rss_after_compile = None, None, rss_mib("VmRSS")
     if not args.compile_only:
-        load_and_compile_peak = _rss_mib("VmHWM")
-        _reset_peak()
+        load_and_compile_peak = rss_mib("VmHWM")
+        reset_peak_rss()
         began = time.perf_counter()
         jax.block_until_ready(compiled(*call_args))
         run_s = time.perf_counter() - began
-        run_peak = _rss_mib("VmHWM")
+        run_peak = rss_mib("VmHWM")
         peak = max(load_and_compile_peak, run_peak)
     else:
-        peak = _rss_mib("VmHWM")
+        peak = rss_mib("VmHWM")
 
     item = jnp.dtype(model.dtype).itemsize
     L, Hq, H, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -10,7 +10,8 @@ random model's heads are random (memory does not depend on what the heads learne
 
 Each point is its own process (a fresh `python -m eval.bench_memory --point ...`) that builds a random
 model, prefills one prompt of the given length (chunked) and decodes a few tokens, then reports its peak
-RSS (`VmHWM`) and its RSS before the prefill. The model is small except in its KV per token (few layers,
+RSS (`VmHWM`, reset after the model is loaded where Linux allows it, so a loading peak does not mask the
+prefill's) and its RSS before the prefill. The model is small except in its KV per token (few layers,
 many wide kv heads, float32 cache), so the full cache dominates the process as the context grows; Locret
 keeps `token_budget` slots per head and its pool is sized for budget + one chunk. Writes
 bench_memory.{json,md,png} under --out (default ./kvjax-results/memory).
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from ._report import default_out, machine_info, markdown_table, write_outputs
+from ._report import default_out, machine_info, markdown_table, reset_peak_rss, rss_mib, write_outputs
 
 # Few layers and a small MLP keep compute low; 4 kv heads of 128 in float32 give 4 KiB of K+V per token
 # per layer, so a 64K-token full cache is 512 MiB against a ~300 MiB JAX process.
@@ -34,14 +35,6 @@ MODEL = dict(
     num_attention_heads=4, num_key_value_heads=4, head_dim=128, max_position_embeddings=1 << 20,
     rope_theta=500000.0, tie_word_embeddings=True,
 )
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def run_point(policy_name: str, context: int, budget: int, chunk: int, new_tokens: int, model_name: str | None = None,
@@ -74,7 +67,10 @@ def run_point(policy_name: str, context: int, budget: int, chunk: int, new_token
 
         tokens = np.resize(tokenize_corpus(model.tokenizer).ids, context).astype(np.int32)[None]
     jax.block_until_ready(model.params)
-    rss_before = _rss_kib("VmRSS")
+    # loading (a GGUF is dequantised through temporaries) may peak above the prefill: measure from here
+    load_peak = rss_mib("VmHWM")
+    peak_reset = reset_peak_rss()
+    rss_before = rss_mib("VmRSS")
     began = time.perf_counter()
     state, logits = kvjax.prefill(model, tokens, policy=policy, chunk_size=chunk, max_new_tokens=new_tokens,
                                   allow_longer_context=True)
@@ -87,8 +83,10 @@ def run_point(policy_name: str, context: int, budget: int, chunk: int, new_token
     return {
         "policy": policy_name,
         "context": context,
-        "peak_rss_mib": _rss_kib("VmHWM") / 1024,
-        "rss_before_prefill_mib": rss_before / 1024,
+        "peak_rss_mib": rss_mib("VmHWM"),
+        "rss_before_prefill_mib": rss_before,
+        "load_peak_rss_mib": load_peak,
+        "peak_reset_after_load": peak_reset,
         "pool_mib": (state.k_pages.nbytes + state.v_pages.nbytes) / 2**20,
         "kv_in_use_mib": report["bytes_in_use"] / 2**20,
         "full_cache_kv_mib": report["bytes_full_cache"] / 2**20,

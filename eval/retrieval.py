@@ -120,6 +120,24 @@ def score_sample(model, sample, task: str, n_tokens: int, tokens: Sequence[int])
     return Scored(task, n_tokens, sample.depth, " ".join(sample.answers), prediction, score == 1.0, text, score)
 
 
+def compresses_in_prefill(policy) -> bool:
+    """Whether `policy` compresses during prefill (Locret): its state cannot be derived from a shared one."""
+    return policy.compresses and policy.chunks is not None
+
+
+def policy_state(model, shared, policy, contexts, reserve: int, page_size: int = 16, chunk_size: int = 512):
+    """`(state, logits)` of `contexts` under `policy`: derived from the shared full prefill `shared`
+    (`kvjax.shared_prefill`), or, for a policy that compresses during prefill, a prefill of its own (with the
+    shared state's capacity when there is one)."""
+    import kvjax
+    from kvjax.shared_prefill import derive
+
+    if not compresses_in_prefill(policy):
+        return derive(model, shared, policy)
+    return kvjax.prefill(model, contexts, policy, page_size=page_size, chunk_size=chunk_size,
+                         capacity=shared.state.capacity if shared else None, max_new_tokens=reserve)
+
+
 def answer_shared(model, policies: dict, samples: Sequence, task: str, n_tokens: int, page_size: int = 16,
                   chunk_size: int = 512, progress=None, question_in_prefill: bool = False) -> dict:
     """One batch of `samples` under every policy of `policies` ({key: Policy}), with one full prefill shared
@@ -128,9 +146,8 @@ def answer_shared(model, policies: dict, samples: Sequence, task: str, n_tokens:
     Returns {key: [Scored, ...]} in sample order. `progress` (a tqdm bar) is advanced once per policy.
     `question_in_prefill` prefills the question with the context (so it is compressed with it, and sits in
     SnapKV's observation window), the setting of SnapKV's and Ada-KV's LongBench runs, instead of Quest's."""
-    import kvjax
     from kvjax.generation import continue_rows
-    from kvjax.shared_prefill import derive, shared_prefill
+    from kvjax.shared_prefill import shared_prefill
 
     split = [split_sample(model, s, task) for s in samples]
     if question_in_prefill:  # SnapKV's and H2O's own setting: the question is prefilled, then compressed
@@ -139,18 +156,14 @@ def answer_shared(model, policies: dict, samples: Sequence, task: str, n_tokens:
     questions = [np.asarray(q, np.int32) for _, q, _ in split]
     max_new = max(m for _, _, m in split)
     reserve = max(len(q) for q in questions) + max_new
-    shareable = {k: p for k, p in policies.items() if not (p.compresses and p.chunks is not None)}
+    shareable = {k: p for k, p in policies.items() if not compresses_in_prefill(p)}
     out = {}
     shared = None
     if shareable:
         shared = shared_prefill(model, contexts, list(shareable.values()), reserve_tokens=reserve,
                                 page_size=page_size, chunk_size=chunk_size)
     for key, policy in policies.items():
-        if key in shareable:
-            state, logits = derive(model, shared, policy)
-        else:
-            state, logits = kvjax.prefill(model, contexts, policy, page_size=page_size, chunk_size=chunk_size,
-                                          capacity=shared.state.capacity if shared else None, max_new_tokens=reserve)
+        state, logits = policy_state(model, shared, policy, contexts, reserve, page_size, chunk_size)
         tokens = continue_rows(model, state, logits, questions, max_new, policy)
         out[key] = [score_sample(model, s, task, n_tokens, row) for s, row in zip(samples, np.asarray(tokens))]
         if progress is not None:

@@ -85,14 +85,17 @@ def value_span(model, sample, span: np.ndarray) -> np.ndarray:
 
 
 def trace(model, task: str, length: int, sample_index: int, policies, budget: int, dense_layers: int = 0,
-          seed: int = 0, question_in_prefill: bool = False) -> dict:
+          seed: int = 0, question_in_prefill: bool = False, num_samples: int = 50) -> dict:
     from kvjax.generation import continue_rows
-    from kvjax.shared_prefill import derive, shared_prefill
+    from kvjax.shared_prefill import shared_prefill
 
     from . import retrieval
     from .sweep import build_policy
 
-    sample = retrieval.task_samples(model, task, length, sample_index + 1, seed)[sample_index]
+    if not 0 <= sample_index < num_samples:
+        raise ValueError(f"sample {sample_index} is not among the {num_samples} samples")
+    # the sweep's samples (same count and seed): sample i sits at depth i / (num_samples - 1)
+    sample = retrieval.task_samples(model, task, length, num_samples, seed)[sample_index]
     span = needle_span(model, sample)
     mass = needle_attention(model, sample.context_ids + sample.question_ids, span)
     context, question, max_new = retrieval.split_sample(model, sample, task)
@@ -100,12 +103,14 @@ def trace(model, task: str, length: int, sample_index: int, policies, budget: in
         context, question = context + question, []
     values = value_span(model, sample, span)
     built = {p: build_policy(p, None if p == "full" else budget, dense_layers) for p in ("full", *policies)}
-    shared = shared_prefill(model, [context], list(built.values()), reserve_tokens=len(question) + max_new)
+    reserve = len(question) + max_new
+    shared = shared_prefill(model, [context], [p for p in built.values() if not retrieval.compresses_in_prefill(p)],
+                            reserve_tokens=reserve)
     out = {"task": task, "length": length, "sample": sample_index, "budget": budget, "depth": sample.depth,
            "question_in_prefill": question_in_prefill, "value_tokens": [int(values[0]), int(values[-1])],
            "answer": sample.answer, "needle_tokens": [int(span[0]), int(span[-1])], "mass": mass.tolist(), "policies": {}}
     for name, policy in built.items():
-        state, logits = derive(model, shared, policy)
+        state, logits = retrieval.policy_state(model, shared, policy, [context], reserve)
         share, value_share = kept_share(state, span), kept_share(state, values)  # before decoding donates the state
         tokens = continue_rows(model, state, logits, [np.asarray(question, np.int32)], max_new, policy)
         scored = retrieval.score_sample(model, sample, task, length, tokens[0])
@@ -169,7 +174,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--task", default="real_passkey", choices=list(retrieval.REAL_TASKS))
     parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--sample", type=int, default=0)
+    parser.add_argument("--sample", type=int, default=0, help="which of the sweep's --samples (depth sample / (samples - 1))")
+    parser.add_argument("--samples", type=int, default=50, help="the sweep's sample count (the samples' depths spread over it)")
     parser.add_argument("--policies", nargs="+", default=["quest", "snapkv", "ada_snapkv", "h2o", "streaming"])
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--dense-layers", type=int, default=0)
@@ -184,7 +190,7 @@ def main(argv=None) -> dict:
 
     model = kvjax.load_model(args.model)
     result = trace(model, args.task, args.length, args.sample, args.policies, args.budget, args.dense_layers, args.seed,
-                   args.question_in_prefill)
+                   args.question_in_prefill, args.samples)
     name = args.name or (f"{args.task}_{args.length}_s{args.sample}_b{args.budget}"
                          + ("_question_prefilled" if args.question_in_prefill else ""))
     table = trace_table(result)
