@@ -126,8 +126,8 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
             for index in range(batches):
                 have = done.get((task, n_tokens, index), {})
                 todo = [(p, b) for p, b in cells if _cell_key(p, b) not in have]
-                if todo and max_batches is not None and ran >= max_batches:
-                    break
+                if max_batches is not None and ran >= max_batches:
+                    todo = []  # this call's batches are spent: report what earlier runs checkpointed
                 if todo:
                     if samples is None:
                         samples = retrieval.task_samples(model, task, n_tokens, num_samples, seed, num_records)
@@ -198,14 +198,20 @@ def accuracy_table(result: dict) -> str:
             title = f"**{task}**, {n} tokens" + (f", {result['num_records']} records" if task == "multikey" else "")
             if result.get("question_in_prefill"):
                 title += ", question prefilled with the context (compressed with it)"
+            counts = [r["samples"] for r in cells]
+            common = max(set(counts), key=counts.count)  # a cell with another count says so: "0% (n=20)"
+
+            def shown(r):
+                return f"{100 * r['accuracy']:.0f}%" + ("" if r["samples"] == common else f" (n={r['samples']})")
+
             rows = []
             for name in result["policies"]:
-                mine = {r["budget"]: r["accuracy"] for r in cells if r["policy"] == name}
+                mine = {r["budget"]: r for r in cells if r["policy"] == name}
                 if name == "full":
-                    rows.append([name] + [f"{100 * mine[None]:.0f}%"] * len(budgets))
+                    rows.append([name] + [shown(mine[None])] * len(budgets) if None in mine else [name] + [""] * len(budgets))
                 else:
-                    rows.append([name] + [f"{100 * mine[b]:.0f}%" if b in mine else "" for b in budgets])
-            out.append(title + f" (accuracy, {cells[0]['samples']} samples per cell)\n\n"
+                    rows.append([name] + [shown(mine[b]) if b in mine else "" for b in budgets])
+            out.append(title + f" (accuracy, {common} samples per cell unless marked)\n\n"
                        + markdown_table(["policy"] + [f"budget {b}" for b in budgets], rows))
     if result.get("latency"):
         rows = [[r["length"], r["policy"], r["budget"] or "", f"{r['decode_ms_per_step']:.2f}"] for r in result["latency"]]
