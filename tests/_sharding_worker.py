@@ -112,7 +112,7 @@ def check_generate(model: Model, mesh_name: str, name: str, on_indivisible="erro
     with count_compiles() as compiles:
         out = dist.generate_sharded(model, rows, NEW_TOKENS, pol, mesh=mesh, chunk_size=16, on_indivisible=on_indivisible)
     seconds = time.time() - start
-    decode_traces = compiles.of("_sharded_append_step")
+    decode_traces = compiles.of("decode_steps")  # the on-device decode loop, which holds the sharded decode step
     shards = {tuple(s.data.shape) for s in state.k_pages.addressable_shards}
     devices = {s.device for s in state.k_pages.addressable_shards}
     return {
@@ -123,7 +123,7 @@ def check_generate(model: Model, mesh_name: str, name: str, on_indivisible="erro
         "pool_pages_single": int(ref_state.num_pages),
         "pool_pages_per_device": [list(s) for s in shards],
         "pool_devices": len(devices),
-        "decode_traces": decode_traces,  # the decode step compiled once for all NEW_TOKENS - 1 steps
+        "decode_traces": decode_traces,  # the decode loop compiled once for all NEW_TOKENS - 1 steps
         "ref_seconds": ref_seconds, "sharded_seconds": seconds,
     }
 
