@@ -45,10 +45,18 @@ def test_selection_recall():
     assert selection_recall(target, np.array([0.5, 0.0, 0.0, 0.3, 0.0, 0.0]), 5, 0.4) == 0.5
 
 
-def test_loss_falls_and_a_resumed_run_repeats_an_uninterrupted_one(tmp_path):
-    whole = cacheclip_aux.main(SMALL + ["--steps", "8", "--out", str(tmp_path / "whole")])
-    cacheclip_aux.main(SMALL + ["--steps", "8", "--out", str(tmp_path / "split"), "--stop-after", "4"])
-    resumed = cacheclip_aux.main(SMALL + ["--steps", "8", "--out", str(tmp_path / "split")])
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("aux") / "whole"
+    return out, cacheclip_aux.main(SMALL + ["--steps", "8", "--aux-layers", "1", "--out", str(out)])
+
+
+def test_loss_falls_and_a_resumed_run_repeats_an_uninterrupted_one(tmp_path, whole_run):
+    (tmp_path / "whole").symlink_to(whole_run[0])
+    whole = whole_run[1]
+    split = SMALL + ["--steps", "8", "--aux-layers", "1", "--out", str(tmp_path / "split")]
+    cacheclip_aux.main(split + ["--stop-after", "4"])
+    resumed = cacheclip_aux.main(split)
 
     def losses(run):
         with open(tmp_path / run / "metrics.jsonl") as f:
@@ -62,9 +70,8 @@ def test_loss_falls_and_a_resumed_run_repeats_an_uninterrupted_one(tmp_path):
         assert (tmp_path / name / "loss.png").exists() and (tmp_path / name / "aux" / "aux.json").exists()
 
 
-def test_tuned_model_loads_and_scores_with_its_weights(tmp_path, model):
-    cacheclip_aux.main(SMALL + ["--steps", "4", "--aux-layers", "1", "--out", str(tmp_path)])
-    tuned = load_aux(model, str(tmp_path / "aux"))
+def test_tuned_model_loads_and_scores_with_its_weights(model, whole_run):
+    tuned = load_aux(model, str(whole_run[0] / "aux"))
     untuned = truncated_model(model, 1)
     assert tuned.cfg.num_layers == 1 and tuned.tokenizer is model.tokenizer
     prefix, chunks, question, _ = rag_prompt(model.tokenizer, np.random.default_rng(4), 3, 48, 3, straddle=True)
