@@ -99,14 +99,13 @@ def main(argv=None) -> dict:
         rng = np.random.default_rng(0)
         for batch in args.batches:
             prompts = rng.integers(10, model.cfg.vocab_size, (batch, args.prompt)).astype(np.int32)
-            base = None
-            for k in args.dispatch:
-                seconds = statistics.median(time_decode(model, prompts, args.new, k, args.repeats))
-                steps = args.new - 1  # the first token comes from the prefill's logits
-                base = seconds if base is None and k == min(args.dispatch) else base
+            steps = args.new - 1  # the first token comes from the prefill's logits
+            times = {k: statistics.median(time_decode(model, prompts, args.new, k, args.repeats))
+                     for k in sorted(args.dispatch)}
+            for k, seconds in times.items():
                 rows.append({"model": name, "batch": batch, "steps_per_dispatch": k, "seconds": seconds,
                              "ms_per_step": 1e3 * seconds / steps, "tokens_per_s": batch * args.new / seconds,
-                             "speedup_vs_1": base / seconds if min(args.dispatch) == 1 else None})
+                             "speedup_vs_1": times[1] / seconds if 1 in times else None})
                 print(rows[-1], flush=True)
         jax.clear_caches()
     payload = {"machine": machine_info(), "cpu_load_before": load_before, "cpu_load_after": cpu_load(),

@@ -27,6 +27,8 @@ import os
 import sys
 import time
 
+from .locret import plot_losses, truncate_metrics
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvjax train cacheclip-aux", description=__doc__.split("\n\n")[0])
@@ -152,10 +154,7 @@ def main(argv=None) -> dict:
         start = manager.latest_step()
         abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, opt_state))
         params, opt_state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
-        with open(metrics_path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
+        truncate_metrics(metrics_path, start)
         print(f"resumed from step {start}", file=sys.stderr)
     elif os.path.exists(metrics_path):
         os.remove(metrics_path)
@@ -195,8 +194,6 @@ def main(argv=None) -> dict:
         save_aux(os.path.join(args.out, "aux"), tuned, extra={"model": args.model, "steps": args.steps})
         with open(os.path.join(args.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        from .locret import plot_losses
-
         plot_losses(metrics_path, os.path.join(args.out, "loss.png"), title=f"CacheClip auxiliary model ({layers} layers)",
                     ylabel="KL(main model's attention || auxiliary's)")
     return summary

@@ -108,7 +108,7 @@ def _restore(manager, template):
     return step, restored["state"], restored["meta"]
 
 
-def _truncate_metrics(path: str, last_step: int) -> None:
+def truncate_metrics(path: str, last_step: int) -> None:
     """Drop metric lines past the restored step (a killed run may have logged steps it never saved)."""
     if not os.path.exists(path):
         return
@@ -196,7 +196,7 @@ def main(argv=None) -> dict:
         start, state, meta = restored
         heads, opt_state = state["heads"], state["opt_state"]
         print(f"resumed from step {start} ({meta})", file=sys.stderr)
-        _truncate_metrics(metrics_path, start)
+        truncate_metrics(metrics_path, start)
     elif os.path.exists(metrics_path):
         os.remove(metrics_path)
 
