@@ -4,6 +4,8 @@ cache dominates a step: 2 layers of 16 heads of 128 (MHA), hidden 512, MLP 1024,
 For each context (default 8K and 16K) and policy at one budget (default 1024): prefill (not timed against
 anything; one per policy, since eviction happens inside prefill), then decode tokens/s as the median of
 timed steps after a warm-up step, the KV bytes a step reads, and pages in use against the full cache.
+`--kv-dtypes float32 int8` measures each policy with float32 and int8 pages (one scale per slot) in one run,
+and gives int8's speed against float32 pages of the same policy.
 
     python -m eval.bench_policies              # writes ./kvjax-results/policies/bench_policies.{json,md,png}
     python -m eval.bench_policies --quick
@@ -82,9 +84,10 @@ def bench_policy(model, prompt, policy, steps: int) -> dict:
             "kv_bytes_in_use": report["bytes_in_use"]}
 
 
-def kv_bytes_read(name: str, cfg, context: int, budget: int, page_size: int) -> int:
-    """K and V bytes one decode step reads over all layers (plus Quest's min/max metadata)."""
-    per_slot = 2 * cfg.head_dim * 4
+def kv_bytes_read(name: str, cfg, context: int, budget: int, page_size: int, kv_dtype: str = "float32") -> int:
+    """K and V bytes one decode step reads over all layers (plus Quest's min/max metadata; int8 pages: plus
+    one float32 scale per slot for K and for V)."""
+    per_slot = 2 * cfg.head_dim * 4 if kv_dtype == "float32" else 2 * (cfg.head_dim + 4)
     heads = cfg.num_kv_heads
     if name == "full":
         return cfg.num_layers * heads * context * per_slot
@@ -94,9 +97,16 @@ def kv_bytes_read(name: str, cfg, context: int, budget: int, page_size: int) -> 
     return cfg.num_layers * heads * budget * per_slot  # an average budget per head
 
 
+def _same(results: list, row: dict, policy: str, kv_dtype: str | None = None) -> dict | None:
+    """The result of `policy` at `row`'s context (and `kv_dtype`, default the row's)."""
+    kv_dtype = kv_dtype or row["kv_dtype"]
+    return next((r for r in results if r["context"] == row["context"] and r["policy"] == policy
+                 and r["kv_dtype"] == kv_dtype), None)
+
+
 def _vs_snapkv(row: dict, results: list) -> list[str]:
     """Decode speed and prefill time against SnapKV's at the same context (the policies issue's aims)."""
-    snap = next((r for r in results if r["context"] == row["context"] and r["policy"] == "snapkv"), None)
+    snap = _same(results, row, "snapkv")
     if snap is None:
         return ["", ""]
     return [f"{100 * row['decode_tokens_per_s'] / snap['decode_tokens_per_s']:.0f}%",
@@ -109,18 +119,18 @@ def plot(payload: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    contexts = sorted({r["context"] for r in payload["results"]})
+    series = list(dict.fromkeys((r["context"], r["kv_dtype"]) for r in payload["results"]))
     names = list(dict.fromkeys(r["policy"] for r in payload["results"]))
     fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / len(contexts)
-    for i, context in enumerate(contexts):
-        rows = {r["policy"]: r for r in payload["results"] if r["context"] == context}
-        ax.bar(np.arange(len(names)) + i * width, [rows[n]["decode_tokens_per_s"] for n in names], width,
-               label=f"{context // 1024}K context")
-    ax.set_xticks(np.arange(len(names)) + width * (len(contexts) - 1) / 2)
+    width = 0.8 / len(series)
+    for i, (context, kv_dtype) in enumerate(series):
+        rows = {r["policy"]: r for r in payload["results"] if (r["context"], r["kv_dtype"]) == (context, kv_dtype)}
+        ax.bar(np.arange(len(names)) + i * width, [rows[n]["decode_tokens_per_s"] if n in rows else 0 for n in names],
+               width, label=f"{context // 1024}K context, {kv_dtype} pages")
+    ax.set_xticks(np.arange(len(names)) + width * (len(series) - 1) / 2)
     ax.set_xticklabels(names, rotation=30)
     ax.set_ylabel("decode tokens/s")
-    ax.set_title(f"decode speed by policy, budget {payload['budget']} (2 layers x 16 heads x 128, f32)")
+    ax.set_title(f"decode speed by policy, budget {payload['budget']} (2 layers x 16 heads x 128, f32 compute)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -133,6 +143,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--kv-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "int8"],
+                        help="KV page dtypes to measure each policy with")
     parser.add_argument("--out", default=default_out("policies"))
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     args = parser.parse_args(argv)
@@ -146,21 +158,27 @@ def main(argv=None):
     cfg = kvjax.ModelConfig.from_hf_dict(attention_heavy_config(args.vocab))
     model = kvjax.Model(cfg, kvjax.init_params(cfg, seed=0))
     results = []
-    jobs = [(c, p) for c in args.contexts for p in args.policies]
-    for context, name in tqdm(jobs, desc="context x policy"):
+    jobs = [(c, p, d) for c in args.contexts for p in args.policies for d in args.kv_dtypes]
+    for context, name, kv_dtype in tqdm(jobs, desc="context x policy x kv dtype"):
         prompt = np.random.default_rng(context).integers(0, args.vocab, (1, context)).astype(np.int32)
-        row = bench_policy(model, prompt, make_policy(name, args.budget), args.steps)
-        row.update(policy=name, context=context, kv_bytes_read_per_step=kv_bytes_read(name, cfg, context, args.budget, 16))
+        row = bench_policy(model.with_kv_dtype(kv_dtype), prompt, make_policy(name, args.budget), args.steps)
+        row.update(policy=name, context=context, kv_dtype=kv_dtype,
+                   kv_bytes_read_per_step=kv_bytes_read(name, cfg, context, args.budget, 16, kv_dtype))
         results.append(row)
     for row in results:
-        full = next(r for r in results if r["context"] == row["context"] and r["policy"] == "full")
-        row["speedup_vs_full"] = row["decode_tokens_per_s"] / full["decode_tokens_per_s"]
+        full = _same(results, row, "full")
+        row["speedup_vs_full"] = row["decode_tokens_per_s"] / full["decode_tokens_per_s"] if full else None
         row["kv_read_gbps"] = row["kv_bytes_read_per_step"] / row["decode_step_s"] / 1e9
+        f32 = _same(results, row, row["policy"], "float32")
+        row["speedup_vs_float32_pages"] = row["decode_tokens_per_s"] / f32["decode_tokens_per_s"] if f32 else None
     payload = {"benchmark": "bench_policies", "machine": machine_info(), "budget": args.budget,
                "config": attention_heavy_config(args.vocab), "timed_steps": args.steps, "results": results}
-    headers = ["context", "policy", "decode tok/s", "speedup vs full", "KV MB read/step", "KV read GB/s",
-               "pages in use / full", "prefill s", "prefill compile s", "decode vs snapkv", "prefill vs snapkv"]
-    rows = [[r["context"], r["policy"], r["decode_tokens_per_s"], f"{r['speedup_vs_full']:.2f}x",
+    headers = ["context", "policy", "KV pages", "decode tok/s", "speedup vs full", "vs float32 pages", "KV MB read/step",
+               "KV read GB/s", "pages in use / full", "prefill s", "prefill compile s", "decode vs snapkv",
+               "prefill vs snapkv"]
+    ratio = lambda x: "" if x is None else f"{x:.2f}x"  # noqa: E731
+    rows = [[r["context"], r["policy"], r["kv_dtype"], r["decode_tokens_per_s"], ratio(r["speedup_vs_full"]),
+             ratio(r["speedup_vs_float32_pages"]),
              r["kv_bytes_read_per_step"] / 1e6, r["kv_read_gbps"], f"{r['pages_in_use']} / {r['pages_full_cache']}",
              r["prefill_s"], r["prefill_compile_s"], *_vs_snapkv(r, results)] for r in results]
     note = (f"\nBudget {args.budget} slots per kv head (Quest: slots read per head; dense_layers=0 here). "

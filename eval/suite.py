@@ -110,10 +110,12 @@ def attention_figures(payload: dict, large_read: dict) -> list[dict]:
 def policies_figures(payload: dict, large_read: dict) -> list[dict]:
     figs = []
     for r in payload["results"]:
-        at = {"context": r["context"], "policy": r["policy"], "budget": payload["budget"]}
-        figs += [figure("policies", "decode_tokens_per_s", r["decode_tokens_per_s"], "tok/s", large_read, **at),
-                 figure("policies", "speedup_vs_full", r["speedup_vs_full"], "x", large_read, **at),
-                 figure("policies", "kv_read_gbps", r["kv_read_gbps"], BANDWIDTH_UNIT, large_read, **at)]
+        at = {"context": r["context"], "policy": r["policy"], "budget": payload["budget"],
+              "kv_dtype": r.get("kv_dtype", "float32")}
+        figs.append(figure("policies", "decode_tokens_per_s", r["decode_tokens_per_s"], "tok/s", large_read, **at))
+        if r["speedup_vs_full"] is not None:
+            figs.append(figure("policies", "speedup_vs_full", r["speedup_vs_full"], "x", large_read, **at))
+        figs.append(figure("policies", "kv_read_gbps", r["kv_read_gbps"], BANDWIDTH_UNIT, large_read, **at))
     return figs
 
 

@@ -88,11 +88,14 @@ def decode_attention(q: jax.Array, state: KVState, layer, selected=None, return_
     from kvjax import pallas_kernels
 
     table, lengths = _layer_table(state, layer)
+    scales = dict(k_scale=state.k_scale, v_scale=state.v_scale)
     if selected is None:
-        result = pallas_kernels.paged_decode(q[:, 0], state.k_pages, state.v_pages, table, lengths, return_stats=return_stats)
+        result = pallas_kernels.paged_decode(
+            q[:, 0], state.k_pages, state.v_pages, table, lengths, return_stats=return_stats, **scales
+        )
     else:
         result = pallas_kernels.sparse_paged_decode(
-            q[:, 0], state.k_pages, state.v_pages, table, selected, lengths, return_stats=return_stats
+            q[:, 0], state.k_pages, state.v_pages, table, selected, lengths, return_stats=return_stats, **scales
         )
     if return_stats:
         out, row_max, row_sum = result
@@ -133,8 +136,8 @@ def _blocks(state: KVState, layer, block_pages: int):
     def gather(i):
         pages = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages, axis=2)  # [B, H, bp]
         safe = jnp.clip(pages, 0, N - 1)
-        k = state.k_pages[safe].reshape(B, H, block_slots, D)
-        v = state.v_pages[safe].reshape(B, H, block_slots, D)
+        k = state.read_k(safe).reshape(B, H, block_slots, D)
+        v = state.read_v(safe).reshape(B, H, block_slots, D)
         pos = state.slot_pos[safe].reshape(B, H, block_slots)
         slot = i * block_slots + jnp.arange(block_slots)
         valid = (slot[None, None, :] < lengths[:, :, None]) & (pos >= 0) & jnp.repeat(pages >= 0, ps, axis=-1)

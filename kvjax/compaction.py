@@ -30,9 +30,10 @@ def _push_free(state: KVState, pages: jax.Array, release: jax.Array) -> KVState:
     )
 
 
-def page_minmax(k_pages: jax.Array, pages: jax.Array, num_valid: jax.Array):
-    """Exact (kmin, kmax) `[..., D]` of `pages [...]` over their first `num_valid [...]` slots."""
-    k = k_pages[jnp.clip(pages, 0, k_pages.shape[0] - 1)]  # [..., ps, D]
+def page_minmax(state: KVState, pages: jax.Array, num_valid: jax.Array):
+    """Exact (kmin, kmax) `[..., D]` of `pages [...]` over their first `num_valid [...]` slots (of the keys
+    attention reads: dequantised when the pages are int8)."""
+    k = state.read_k(jnp.clip(pages, 0, state.num_pages - 1))  # [..., ps, D]
     valid = jnp.arange(k.shape[-2])[None, :] < num_valid.reshape(-1)[:, None]
     valid = valid.reshape(num_valid.shape + (k.shape[-2], 1))
     return jnp.min(jnp.where(valid, k, jnp.inf), axis=-2), jnp.max(jnp.where(valid, k, -jnp.inf), axis=-2)
@@ -50,10 +51,13 @@ def compact_layer(state: KVState, layer, keep_slots: jax.Array, keep_count: jax.
     source = jnp.where(real, keep_slots, 0)
     src_page = jnp.clip(table[b_idx, h_idx, source // ps], 0, N - 1)
     src_off = source % ps
-    k = state.k_pages[src_page, src_off]  # [B, H, K, D]
+    k = state.k_pages[src_page, src_off]  # [B, H, K, D] as stored (int8 pages move with their scales)
     v = state.v_pages[src_page, src_off]
     pos = state.slot_pos[src_page, src_off]
     score = state.slot_score[src_page, src_off]
+    scales = {}
+    if state.quantized:
+        scales = {name: getattr(state, name)[src_page, src_off] for name in ("k_scale", "v_scale")}  # [B, H, K]
 
     # every slot of the kept pages, kept or past keep_count (cleared)
     K_pad = pages_for(K, ps) * ps
@@ -68,7 +72,12 @@ def compact_layer(state: KVState, layer, keep_slots: jax.Array, keep_count: jax.
     v = jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0)))
     pos = jnp.where(is_real, jnp.pad(pos, ((0, 0), (0, 0), (0, pad))), -1)
     score = jnp.where(is_real, jnp.pad(score, ((0, 0), (0, 0), (0, pad))), 0.0)
+    scales = {
+        name: getattr(state, name).at[dst_page, dst_off].set(jnp.pad(x, ((0, 0), (0, 0), (0, pad))), mode="drop")
+        for name, x in scales.items()
+    }
     state = state.replace(
+        **scales,
         k_pages=state.k_pages.at[dst_page, dst_off].set(k, mode="drop"),
         v_pages=state.v_pages.at[dst_page, dst_off].set(v, mode="drop"),
         slot_pos=state.slot_pos.at[dst_page, dst_off].set(pos, mode="drop"),
@@ -78,7 +87,7 @@ def compact_layer(state: KVState, layer, keep_slots: jax.Array, keep_count: jax.
     Pk = K_pad // ps
     kept_pages = dst_page.reshape(B, H, Pk, ps)[..., 0]  # [B, H, Pk]
     in_page = jnp.clip(keep_count[:, :, None] - jnp.arange(Pk)[None, None, :] * ps, 0, ps)
-    kmin, kmax = page_minmax(state.k_pages, kept_pages, in_page)
+    kmin, kmax = page_minmax(state, kept_pages, in_page)
     state = state.replace(
         kmin=state.kmin.at[kept_pages].set(kmin.astype(state.kmin.dtype), mode="drop"),
         kmax=state.kmax.at[kept_pages].set(kmax.astype(state.kmax.dtype), mode="drop"),
@@ -156,6 +165,8 @@ def memory_report(state: KVState) -> dict:
     next_pos = np.asarray(state.next_position)
     ps, D = state.page_size, state.k_pages.shape[-1]
     page_bytes = 2 * ps * D * state.k_pages.dtype.itemsize + 2 * D * state.kmin.dtype.itemsize + ps * 8
+    if state.quantized:
+        page_bytes += 2 * ps * 4  # one float32 scale per slot for K and for V
     pages = (table >= 0).sum(-1)  # [L, B, H]
     full_pages = pages_for(next_pos, ps)[None, :, None] * np.ones_like(pages)
     return {

@@ -210,7 +210,7 @@ def prefill_chunks(
         read_bound = tuple(bounded if policy.compresses_layer(l) else full for l in range(cfg.num_layers))
         num_pages = B * cfg.num_kv_heads * sum(read_bound)
     state = backend.new_state(
-        cfg, B, capacity, page_size, num_pages, model.dtype, uses_long_factors(cfg, declared_length), read_bound
+        cfg, B, capacity, page_size, num_pages, model.cache_dtype, uses_long_factors(cfg, declared_length), read_bound
     )
     keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths - tails)
     policy_params = chunks.params if per_chunk else None

@@ -21,12 +21,28 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 @dataclasses.dataclass
 class Model:
-    """A loaded model: its config, parameters (a pytree), the Flax module and the tokenizer (or None)."""
+    """A loaded model: its config, parameters (a pytree), the Flax module and the tokenizer (or None).
+    `dtype` is the parameter and compute dtype; `kv_dtype` the KV pages' (None: `dtype`; "int8": int8
+    pages with one float32 scale per slot, see `kvjax.state.init_state`). `model.with_kv_dtype("int8")`
+    gives the same weights with int8 pages."""
 
     cfg: ModelConfig
     params: Any
     tokenizer: Any = None
     dtype: Any = jnp.float32
+    kv_dtype: Any = None
+
+    def __post_init__(self):
+        if self.kv_dtype is not None:
+            self.kv_dtype = resolve_kv_dtype(self.kv_dtype)
+
+    @property
+    def cache_dtype(self) -> Any:
+        """The dtype of the KV pages every generation with this model allocates."""
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
+
+    def with_kv_dtype(self, kv_dtype) -> "Model":
+        return dataclasses.replace(self, kv_dtype=kv_dtype)
 
     @property
     def module(self) -> CausalLM:
@@ -46,6 +62,17 @@ def resolve_dtype(dtype) -> Any:
             raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
         return _DTYPES[dtype]
     return jnp.dtype(dtype).type if dtype is not None else jnp.float32
+
+
+KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
+
+
+def resolve_kv_dtype(kv_dtype) -> Any:
+    """A KV page dtype from its name or dtype: float32, bfloat16 or int8."""
+    name = kv_dtype if isinstance(kv_dtype, str) else jnp.dtype(kv_dtype).name
+    if name not in KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r}; expected one of {sorted(KV_DTYPES)}")
+    return KV_DTYPES[name]
 
 
 def param_shapes(cfg: ModelConfig, dtype) -> Any:
@@ -135,12 +162,12 @@ def load_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model(path: str | os.PathLike, dtype="float32") -> Model:
+def load_model(path: str | os.PathLike, dtype="float32", kv_dtype=None) -> Model:
     """Load a model: a local HF directory (`config.json`, safetensors, tokenizer), a `.gguf` file, "tiny" (the
     model kvjax ships) or a registered name fetched with `kvjax fetch NAME` (see `kvjax.hub`).
 
     `dtype` ("float32", "bfloat16", "float16") is the parameter and compute dtype; attention softmax and
-    logits are float32. Raises `CheckpointError` naming missing, unexpected or mis-shaped tensors, or an
+    logits are float32. `kv_dtype` (None = `dtype`, "float32", "bfloat16" or "int8") is the KV pages' dtype. Raises `CheckpointError` naming missing, unexpected or mis-shaped tensors, or an
     unreadable file; `FileNotFoundError` for a missing path or a registered model not fetched yet.
     """
     from kvjax.hub import resolve_model
@@ -161,4 +188,4 @@ def load_model(path: str | os.PathLike, dtype="float32") -> Model:
         tensors, tokenizer = read_safetensors(path), load_tokenizer(path)
     dtype = resolve_dtype(dtype)
     params = params_from_hf(cfg, tensors, param_shapes(cfg, dtype), dtype)
-    return Model(cfg=cfg, params=params, tokenizer=tokenizer, dtype=dtype)
+    return Model(cfg=cfg, params=params, tokenizer=tokenizer, dtype=dtype, kv_dtype=kv_dtype)

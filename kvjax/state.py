@@ -19,6 +19,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.config import ModelConfig
+from kvjax.pallas_kernels import dequantize, quantize_int8
 
 # overflow[0] codes
 OVERFLOW_NONE, OVERFLOW_POOL, OVERFLOW_TABLE = 0, 1, 2
@@ -38,9 +39,10 @@ class KVState:
     """Paged KV cache. N = num_pages, ps = page_size, D = head_dim, L = layers, B = batch, H = kv heads,
     P = max logical pages per (layer, sequence, head)."""
 
-    k_pages: jax.Array  # [N, ps, D]   keys after RoPE, at their original positions
+    k_pages: jax.Array  # [N, ps, D]   keys after RoPE, at their original positions (float, or int8 with scales)
     v_pages: jax.Array  # [N, ps, D]
-    kmin: jax.Array  # [N, D]        elementwise min of valid keys of the page (+inf when empty)
+    kmin: jax.Array  # [N, D]        elementwise min of valid keys of the page (+inf when empty); for int8
+    #                  pages the min of the dequantised keys, so Quest's bound holds for what attention reads
     kmax: jax.Array  # [N, D]        elementwise max (-inf when empty)
     slot_pos: jax.Array  # int32[N, ps]  original token position of each slot, -1 when empty
     slot_score: jax.Array  # f32[N, ps]  a policy's per-slot score (H2O's running sum, Locret's CIS)
@@ -53,6 +55,8 @@ class KVState:
     overflow: jax.Array  # int32[3]  (code, pages needed, pages available) of the first failed step
     hole: jax.Array  # int32[L, B, H]  a slot below the length freed by decode-time eviction, -1 if none;
     #                  the next appended token fills it, so eviction never writes the K/V pool
+    k_scale: jax.Array | None = None  # f32[N, ps]  int8 pages: each slot's scale (value = int8 * scale), else None
+    v_scale: jax.Array | None = None  # f32[N, ps]
     long_rope: bool = struct.field(pytree_node=False, default=False)  # LongRoPE factor set, fixed at prefill
     # Logical pages attention reads per layer (static), after a policy bounded the layer; None = all.
     read_pages: tuple | None = struct.field(pytree_node=False, default=None)
@@ -80,6 +84,22 @@ class KVState:
         if len(bounds) != 1:
             raise ValueError(f"layers {start}..{stop - 1} read different page counts {self.read_pages[start:stop]}")
         return self.replace(read_pages=(bounds.pop(),) * len(self.read_pages))
+
+    @property
+    def quantized(self) -> bool:
+        """Whether pages hold int8 values with per-slot scales (`kvjax.pallas_kernels.quantize_int8`)."""
+        return self.k_scale is not None
+
+    def read_k(self, pages: jax.Array) -> jax.Array:
+        """Keys of physical `pages [...]`, `[..., ps, D]`: in the pages' dtype, or float32 dequantised from
+        int8 pages."""
+        k = self.k_pages[pages]
+        return k if self.k_scale is None else dequantize(k, self.k_scale[pages])
+
+    def read_v(self, pages: jax.Array) -> jax.Array:
+        """Values of physical `pages [...]`, as `read_k`."""
+        v = self.v_pages[pages]
+        return v if self.v_scale is None else dequantize(v, self.v_scale[pages])
 
     @property
     def page_size(self) -> int:
@@ -116,7 +136,8 @@ def init_state(
     """An empty state for `batch` sequences of up to `capacity` tokens per (layer, head).
 
     `num_pages` defaults to what a full cache of that capacity needs (L * B * H * ceil(capacity/page_size));
-    bounded policies may ask for fewer.
+    bounded policies may ask for fewer. `dtype` is the pages' dtype: float32, bfloat16, or int8 (symmetric,
+    one float32 scale per slot; see `kvjax.pallas_kernels.quantize_int8`).
     """
     if page_size <= 0 or page_size & (page_size - 1):
         raise ValueError(f"page_size must be a positive power of two, got {page_size}")
@@ -129,11 +150,13 @@ def init_state(
     if num_pages is None:
         num_pages = L * batch * H * max_pages
     N = num_pages
+    quantized = jnp.dtype(dtype) == jnp.dtype(jnp.int8)
+    meta_dtype = jnp.float32 if quantized else dtype
     return KVState(
         k_pages=jnp.zeros((N, page_size, D), dtype),
         v_pages=jnp.zeros((N, page_size, D), dtype),
-        kmin=jnp.full((N, D), jnp.inf, dtype),
-        kmax=jnp.full((N, D), -jnp.inf, dtype),
+        kmin=jnp.full((N, D), jnp.inf, meta_dtype),
+        kmax=jnp.full((N, D), -jnp.inf, meta_dtype),
         slot_pos=jnp.full((N, page_size), -1, jnp.int32),
         slot_score=jnp.zeros((N, page_size), jnp.float32),
         page_table=jnp.full((L, batch, H, max_pages), -1, jnp.int32),
@@ -145,6 +168,8 @@ def init_state(
         next_position=jnp.zeros((batch,), jnp.int32),
         overflow=jnp.zeros((3,), jnp.int32),
         hole=jnp.full((L, batch, H), -1, jnp.int32),
+        k_scale=jnp.zeros((N, page_size), jnp.float32) if quantized else None,
+        v_scale=jnp.zeros((N, page_size), jnp.float32) if quantized else None,
         long_rope=long_rope,
     )
 
@@ -203,7 +228,8 @@ def append_to_layer(
 ) -> KVState:
     """Write the first `num_new[b]` tokens of `k, v [B, C, H, D]` (at `positions int32[B, C]`) after each
     head's last slot of `layer`, and keep `kmin`/`kmax` exact. Pages must have been allocated. `score
-    f32[B, C, H]`, when given, becomes the new slots' `slot_score` (Locret)."""
+    f32[B, C, H]`, when given, becomes the new slots' `slot_score` (Locret). int8 pages store each token
+    quantised with its own scale, and `kmin`/`kmax` bound the dequantised keys."""
     ps, N = state.page_size, state.num_pages
     B, C, H, _ = k.shape
     lengths = state.lengths[layer]  # [B, H]
@@ -219,12 +245,23 @@ def append_to_layer(
     page = state.page_table[layer][b_idx, h_idx, logical]
     page = jnp.where(valid & (page >= 0), page, N)  # [B, C, H]
     offset = slot % ps
-    k = k.astype(state.k_pages.dtype)
     if score is not None:
         state = state.replace(slot_score=state.slot_score.at[page, offset].set(score.astype(jnp.float32), mode="drop"))
+    if state.quantized:
+        k_stored, k_scale = quantize_int8(k)  # [B, C, H, D], [B, C, H]
+        v_stored, v_scale = quantize_int8(v)
+        k = dequantize(k_stored, k_scale)  # the keys attention will read: kmin/kmax bound these
+        state = state.replace(
+            k_scale=state.k_scale.at[page, offset].set(k_scale, mode="drop"),
+            v_scale=state.v_scale.at[page, offset].set(v_scale, mode="drop"),
+        )
+    else:
+        k = k_stored = k.astype(state.k_pages.dtype)
+        v_stored = v.astype(state.v_pages.dtype)
+    k = k.astype(state.kmin.dtype)
     return state.replace(
-        k_pages=state.k_pages.at[page, offset].set(k, mode="drop"),
-        v_pages=state.v_pages.at[page, offset].set(v.astype(state.v_pages.dtype), mode="drop"),
+        k_pages=state.k_pages.at[page, offset].set(k_stored, mode="drop"),
+        v_pages=state.v_pages.at[page, offset].set(v_stored, mode="drop"),
         kmin=state.kmin.at[page].min(k, mode="drop"),
         kmax=state.kmax.at[page].max(k, mode="drop"),
         slot_pos=state.slot_pos.at[page, offset].set(jnp.broadcast_to(positions[:, :, None], page.shape), mode="drop"),
@@ -239,8 +276,8 @@ def gather_layer(state: KVState, layer):
     pt = jnp.clip(state.page_table[layer, :, :, : state.layer_read_pages(layer)], 0, state.num_pages - 1)  # [B, H, P]
     B, H, P = pt.shape
     S = P * state.page_size
-    k = state.k_pages[pt].reshape(B, H, S, -1)
-    v = state.v_pages[pt].reshape(B, H, S, -1)
+    k = state.read_k(pt).reshape(B, H, S, -1)
+    v = state.read_v(pt).reshape(B, H, S, -1)
     pos = state.slot_pos[pt].reshape(B, H, S)
     valid = (jnp.arange(S, dtype=jnp.int32)[None, None, :] < state.lengths[layer][:, :, None]) & (pos >= 0)
     return k, v, pos, valid

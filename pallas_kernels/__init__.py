@@ -3,6 +3,7 @@ paged decode. Each kernel has a pure-jnp reference (the oracle), a tuned XLA pat
 Pallas Mosaic TPU kernel and a Pallas GPU kernel; `backend=` overrides the choice by platform."""
 
 from ._backend import resolve_backend
+from ._quant import dequantize, quantize_int8
 from .decode_reference import paged_decode_reference, sparse_paged_decode_reference
 from .paged_decode import paged_decode, sparse_paged_decode
 from .quest_scores import (
@@ -13,6 +14,8 @@ from .quest_scores import (
 )
 
 __all__ = [
+    "dequantize",
+    "quantize_int8",
     "quest_page_scores",
     "quest_page_scores_reference",
     "select_top_pages",

@@ -87,14 +87,33 @@ def check_q_heads(q, num_kv_heads: int) -> None:
         )
 
 
-def check_decode_inputs(q, k_pages, v_pages, page_table, lengths, selected=None, *, strict_page_size=False):
+def check_page_scales(k_pages, k_scale, v_scale) -> None:
+    """int8 pages need float32 scales `[N, ps]` for K and V (pallas_kernels._quant); float pages take none."""
+    if jnp.dtype(k_pages.dtype) == jnp.dtype(jnp.int8):
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is None:
+                raise ValueError(f"int8 pages need {name}: float32 [num_pages, page_size], one scale per slot")
+            if jnp.dtype(scale.dtype) != jnp.dtype(jnp.float32):
+                raise TypeError(f"{name} must be float32, got {scale.dtype}")
+            if tuple(scale.shape) != tuple(k_pages.shape[:2]):
+                raise _shape_error(name, scale, f"{tuple(k_pages.shape[:2])} (num_pages, page_size of k_pages)")
+        return
+    _check_float("k_pages", k_pages)
+    if k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale and v_scale are for int8 pages; k_pages is {k_pages.dtype}")
+
+
+def check_decode_inputs(
+    q, k_pages, v_pages, page_table, lengths, selected=None, *, strict_page_size=False, k_scale=None, v_scale=None
+):
     """Validate decode inputs; returns `DecodeDims`.
 
-    q [B, Hq, D]; k_pages, v_pages [N, ps, D]; page_table int32[B, KVH, P]; lengths int32[B, KVH];
-    selected int32[B, Hsel, K] with Hsel in {Hq, KVH}, or None for dense decode.
+    q [B, Hq, D]; k_pages, v_pages [N, ps, D] (float, or int8 with `k_scale`, `v_scale` f32[N, ps]);
+    page_table int32[B, KVH, P]; lengths int32[B, KVH]; selected int32[B, Hsel, K] with Hsel in {Hq, KVH},
+    or None for dense decode.
     """
     _check_float("q", q)
-    _check_float("k_pages", k_pages)
+    check_page_scales(k_pages, k_scale, v_scale)
     if q.ndim != 3:
         raise _shape_error("q", q, "[B, Hq, D]")
     if k_pages.ndim != 3:

@@ -30,19 +30,15 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _decode_kernel(
-    q_ref,  # [Gp, D]  query rows of one selection row, zero-padded
-    pages_ref,  # int32[E_split]  physical pages of this split's entries
-    counts_ref,  # int32[E_split]  valid slots of each entry; entries with slots come first
-    k_ref,  # [N, ps, D]  the whole pool
-    v_ref,  # [N, ps, D]
-    acc_ref,  # f32[Gp, D]
-    max_ref,  # f32[Gp]
-    sum_ref,  # f32[Gp]
-    *,
-    pages_per_block: int,
-    sm_scale: float,
-):
+def _decode_kernel(*refs, pages_per_block: int, sm_scale: float, quantized: bool):
+    if quantized:
+        q_ref, pages_ref, counts_ref, k_ref, v_ref, k_scale_ref, v_scale_ref, acc_ref, max_ref, sum_ref = refs
+    else:
+        q_ref, pages_ref, counts_ref, k_ref, v_ref, acc_ref, max_ref, sum_ref = refs
+    # q_ref [Gp, D]: query rows of one selection row, zero-padded; pages_ref, counts_ref int32[E_split]:
+    # physical pages of this split's entries and their valid slots (entries with slots first); k_ref,
+    # v_ref [N, ps, D]: the whole pool (int8 with scale refs f32[N, ps] when quantized); acc_ref f32[Gp, D],
+    # max_ref, sum_ref f32[Gp].
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     block_slots = pages_per_block * page_size
     q = q_ref[...].astype(jnp.float32) * sm_scale
@@ -56,6 +52,9 @@ def _decode_kernel(
         pages = pages_ref[pl.ds(first, pages_per_block)]  # [nb]
         k = k_ref[pages].astype(jnp.float32).reshape(block_slots, head_dim)  # gathered pages
         v = v_ref[pages].astype(jnp.float32).reshape(block_slots, head_dim)
+        if quantized:  # int8 pages: each slot's values times its scale, dequantised in registers
+            k = k * k_scale_ref[pages].reshape(block_slots)[:, None]
+            v = v * v_scale_ref[pages].reshape(block_slots)[:, None]
         count_of_slot = counts_ref[first + slot // page_size]  # [T]
         valid = slot % page_size < count_of_slot
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -90,6 +89,8 @@ def decode_gpu(
     interpret,
     pages_per_block: int | None = None,
     num_splits: int | None = None,
+    k_scale=None,  # f32[N, ps] with int8 pages, else None
+    v_scale=None,
 ):
     """Run the GPU kernel; returns (out f32[B, Hq, D], row_max f32[B, Hq], row_sum f32[B, Hq])."""
     batch, num_q_heads, head_dim = q.shape
@@ -100,7 +101,9 @@ def decode_gpu(
         from .decode_xla import attend_read_list_xla
 
         warnings.warn("this JAX has no Pallas Triton backend; pallas_gpu falls back to the XLA path")
-        return attend_read_list_xla(q, k_pages, v_pages, physical, counts, sm_scale=sm_scale)
+        return attend_read_list_xla(
+            q, k_pages, v_pages, physical, counts, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale
+        )
     if head_dim & (head_dim - 1):
         raise ValueError(f"pallas_gpu needs a power-of-two head_dim (Triton blocks), got {head_dim}")
 
@@ -126,8 +129,11 @@ def decode_gpu(
     q_rows = q.reshape(batch, num_sel_heads, q_per_row, head_dim)
     q_rows = _pages.pad_axis(q_rows, rows, axis=2, value=0)
 
-    kernel = functools.partial(_decode_kernel, pages_per_block=pages_per_block, sm_scale=sm_scale)
+    quantized = k_scale is not None
+    kernel = functools.partial(_decode_kernel, pages_per_block=pages_per_block, sm_scale=sm_scale, quantized=quantized)
     pool_spec = pl.BlockSpec(k_pages.shape, lambda b, h, s: (0, 0, 0))
+    scale_spec = pl.BlockSpec(k_pages.shape[:2], lambda b, h, s: (0, 0))
+    scales = (k_scale, v_scale) if quantized else ()
     entries_spec = pl.BlockSpec((None, None, entries_per_split), lambda b, h, s: (b, h, s))
     acc, row_max, row_sum = pl.pallas_call(
         kernel,
@@ -143,6 +149,7 @@ def decode_gpu(
             entries_spec,
             pool_spec,
             pool_spec,
+            *(scale_spec for _ in scales),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
@@ -152,7 +159,7 @@ def decode_gpu(
         compiler_params=compiler_params,
         interpret=interpret,
         name="paged_decode_gpu",
-    )(q_rows, physical, counts, k_pages, v_pages)
+    )(q_rows, physical, counts, k_pages, v_pages, *scales)
     acc = acc[:, :, :, :q_per_row].reshape(num_splits, batch, num_q_heads, head_dim)
     row_max = row_max[:, :, :, :q_per_row].reshape(num_splits, batch, num_q_heads)
     row_sum = row_sum[:, :, :, :q_per_row].reshape(num_splits, batch, num_q_heads)

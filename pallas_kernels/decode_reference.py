@@ -9,22 +9,26 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import _pages
+from ._quant import dequantize
 from ._validation import check_decode_inputs, resolve_sm_scale
 
 
-def _attend_masked(q, k_pages, v_pages, page_table, lengths, page_read, sm_scale, return_stats):
+def _attend_masked(q, k_pages, v_pages, page_table, lengths, page_read, sm_scale, return_stats, k_scale, v_scale):
     """Attention of q over every logical slot of each kv head, restricted to `page_read`.
 
-    q [B, Hq, D]; k_pages, v_pages [N, ps, D]; page_table int32[B, KVH, P]; lengths int32[B, KVH];
-    page_read bool[B, Hq, P]: which logical pages each query head reads.
+    q [B, Hq, D]; k_pages, v_pages [N, ps, D] (int8 with `k_scale`, `v_scale` f32[N, ps], else None);
+    page_table int32[B, KVH, P]; lengths int32[B, KVH]; page_read bool[B, Hq, P]: which logical pages each
+    query head reads.
     """
     batch, num_q_heads, head_dim = q.shape
     num_pages, page_size, _ = k_pages.shape
     num_kv_heads, max_pages = page_table.shape[1:]
     group = num_q_heads // num_kv_heads
     pages = jnp.clip(page_table, 0, num_pages - 1)  # [B, KVH, P]
-    k = k_pages[pages].astype(jnp.float32).reshape(batch, num_kv_heads, max_pages * page_size, head_dim)
-    v = v_pages[pages].astype(jnp.float32).reshape(batch, num_kv_heads, max_pages * page_size, head_dim)
+    k_scale_read = None if k_scale is None else k_scale[pages]
+    v_scale_read = None if v_scale is None else v_scale[pages]
+    k = dequantize(k_pages[pages], k_scale_read).reshape(batch, num_kv_heads, max_pages * page_size, head_dim)
+    v = dequantize(v_pages[pages], v_scale_read).reshape(batch, num_kv_heads, max_pages * page_size, head_dim)
     k = jnp.repeat(k, group, axis=1)  # [B, Hq, S, D]  query head hq reads kv head hq // G
     v = jnp.repeat(v, group, axis=1)
     slot = jnp.arange(max_pages * page_size)  # [S]
@@ -53,13 +57,15 @@ def sparse_paged_decode_reference(
     *,
     sm_scale=None,
     return_stats=False,
+    k_scale=None,
+    v_scale=None,
 ):
     """Oracle for `sparse_paged_decode`: same signature and result, computed with masks over all pages.
 
     Returns out [B, Hq, D] in q's dtype, and with `return_stats` also row max and row sum f32[B, Hq]
     of the scaled logits.
     """
-    dims = check_decode_inputs(q, k_pages, v_pages, page_table, lengths, selected)
+    dims = check_decode_inputs(q, k_pages, v_pages, page_table, lengths, selected, k_scale=k_scale, v_scale=v_scale)
     sm_scale = resolve_sm_scale(sm_scale, dims.head_dim)
     page_size, max_pages = dims.page_size, dims.max_pages
     logical = jnp.arange(max_pages)
@@ -69,7 +75,7 @@ def sparse_paged_decode_reference(
     lengths_q = jnp.repeat(lengths, dims.group_size, axis=1)  # [B, Hq]
     is_current = logical == _pages.current_page(lengths_q, page_size)[..., None]
     page_read = listed | is_current
-    return _attend_masked(q, k_pages, v_pages, page_table, lengths, page_read, sm_scale, return_stats)
+    return _attend_masked(q, k_pages, v_pages, page_table, lengths, page_read, sm_scale, return_stats, k_scale, v_scale)
 
 
 def paged_decode_reference(
@@ -81,9 +87,11 @@ def paged_decode_reference(
     *,
     sm_scale=None,
     return_stats=False,
+    k_scale=None,
+    v_scale=None,
 ):
     """Oracle for `paged_decode`: dense attention over every valid slot of each kv head."""
-    dims = check_decode_inputs(q, k_pages, v_pages, page_table, lengths)
+    dims = check_decode_inputs(q, k_pages, v_pages, page_table, lengths, k_scale=k_scale, v_scale=v_scale)
     sm_scale = resolve_sm_scale(sm_scale, dims.head_dim)
     page_read = jnp.ones((dims.batch, dims.num_q_heads, dims.max_pages), bool)
-    return _attend_masked(q, k_pages, v_pages, page_table, lengths, page_read, sm_scale, return_stats)
+    return _attend_masked(q, k_pages, v_pages, page_table, lengths, page_read, sm_scale, return_stats, k_scale, v_scale)

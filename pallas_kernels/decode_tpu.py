@@ -72,6 +72,7 @@ def _decode_kernel(
     blocks_per_split: int,
     sm_scale: float,
     precision,
+    quantized: bool,
 ):
     if dense:
         page_table_ref, lengths_ref = refs[:2]
@@ -80,6 +81,11 @@ def _decode_kernel(
     else:
         page_table_ref, lengths_ref, selected_ref = refs[:3]
         refs = refs[3:]
+    if quantized:
+        # int8 pages: per-slot scales f32[N, ps, 1] in HBM, copied beside their pages into [2, nb, ps, 1]
+        k_scale_hbm, v_scale_hbm = refs[3:5]
+        k_scale_buf, v_scale_buf = refs[-2:]
+        refs = refs[:3] + refs[5:-2]
     (
         q_ref,  # [Gq, D]
         k_hbm,  # [N, ps, D] in HBM
@@ -119,18 +125,25 @@ def _decode_kernel(
         copies = []
         for i in range(pages_per_block):
             page, count = entry_of(first_entry + i)
-            k_copy = pltpu.make_async_copy(k_hbm.at[page], k_buf.at[buffer, i], sems.at[buffer, 0])
-            v_copy = pltpu.make_async_copy(v_hbm.at[page], v_buf.at[buffer, i], sems.at[buffer, 1])
-            copies.append((count, k_copy, v_copy))
+            page_copies = [
+                pltpu.make_async_copy(k_hbm.at[page], k_buf.at[buffer, i], sems.at[buffer, 0]),
+                pltpu.make_async_copy(v_hbm.at[page], v_buf.at[buffer, i], sems.at[buffer, 1]),
+            ]
+            if quantized:
+                page_copies += [
+                    pltpu.make_async_copy(k_scale_hbm.at[page], k_scale_buf.at[buffer, i], sems.at[buffer, 0]),
+                    pltpu.make_async_copy(v_scale_hbm.at[page], v_scale_buf.at[buffer, i], sems.at[buffer, 1]),
+                ]
+            copies.append((count, page_copies))
         return copies
 
     def start(copies):
-        for count, k_copy, v_copy in copies:
+        for count, page_copies in copies:
 
             @pl.when(count > 0)
             def _():
-                k_copy.start()
-                v_copy.start()
+                for copy in page_copies:
+                    copy.start()
 
     buffer = block % 2
 
@@ -146,13 +159,13 @@ def _decode_kernel(
         start(block_copies(block + 1, 1 - buffer))
 
     copies = block_copies(block, buffer)
-    counts = [count for count, _, _ in copies]
-    for count, k_copy, v_copy in copies:
+    counts = [count for count, _ in copies]
+    for count, page_copies in copies:
 
         @pl.when(count > 0)
         def _():
-            k_copy.wait()
-            v_copy.wait()
+            for copy in page_copies:
+                copy.wait()
 
     any_slot = functools.reduce(jnp.logical_or, [count > 0 for count in counts])
 
@@ -161,8 +174,13 @@ def _decode_kernel(
         block_slots = pages_per_block * page_size
         shift = page_size.bit_length() - 1  # page_size is a power of two
         q = q_ref[...].astype(jnp.float32)  # [Gq, D]
-        k = k_buf[buffer].astype(jnp.float32).reshape(block_slots, q.shape[-1])  # [T, D]
-        v = v_buf[buffer].astype(jnp.float32).reshape(block_slots, q.shape[-1])
+        k = k_buf[buffer].astype(jnp.float32)  # [nb, ps, D]
+        v = v_buf[buffer].astype(jnp.float32)
+        if quantized:  # dequantised in VMEM: each slot times its scale (broadcast along lanes)
+            k = k * k_scale_buf[buffer]
+            v = v * v_scale_buf[buffer]
+        k = k.reshape(block_slots, q.shape[-1])  # [T, D]
+        v = v.reshape(block_slots, q.shape[-1])
         logits = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
         ) * sm_scale  # [Gq, T]
@@ -208,6 +226,8 @@ def decode_tpu(
     interpret,
     pages_per_block: int | None = None,
     num_splits: int | None = None,
+    k_scale=None,  # f32[N, ps] with int8 pages, else None
+    v_scale=None,
 ):
     """Run the Mosaic kernel; returns (out f32[B, Hq, D], row_max f32[B, Hq], row_sum f32[B, Hq])."""
     batch, num_q_heads, head_dim = q.shape
@@ -250,7 +270,8 @@ def decode_tpu(
     scalar_args = [page_table.reshape(-1), lengths.reshape(-1)]
     if not dense:
         scalar_args.append(selected.reshape(-1))
-    precision = lax.Precision.HIGHEST if k_pages.dtype == jnp.float32 else None
+    quantized = k_scale is not None
+    precision = lax.Precision.HIGHEST if k_pages.dtype in (jnp.float32, jnp.int8) else None
     kernel = functools.partial(
         _decode_kernel,
         dense=dense,
@@ -263,16 +284,19 @@ def decode_tpu(
         blocks_per_split=blocks_per_split,
         sm_scale=sm_scale,
         precision=precision,
+        quantized=quantized,
     )
     buffer_shape = (2, pages_per_block, page_size, head_dim)
     in_hbm = pl.BlockSpec(memory_space=any_memory_space())
+    scales = (k_scale.reshape(num_pages, page_size, 1), v_scale.reshape(num_pages, page_size, 1)) if quantized else ()
+    scale_buffer_shape = (2, pages_per_block, page_size, 1)
     acc, row_max, row_sum = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalar_args),
             grid=(batch, num_sel_heads, num_splits, blocks_per_split),
-            in_specs=[q_spec, in_hbm, in_hbm],
+            in_specs=[q_spec, in_hbm, in_hbm, *(in_hbm for _ in scales)],
             out_specs=[acc_spec, stats_spec, stats_spec],
             scratch_shapes=[
                 pltpu.VMEM(buffer_shape, k_pages.dtype),
@@ -281,12 +305,13 @@ def decode_tpu(
                 pltpu.VMEM((q_per_row, STATS_LANES), jnp.float32),
                 pltpu.VMEM((q_per_row, STATS_LANES), jnp.float32),
                 pltpu.VMEM((q_per_row, head_dim), jnp.float32),
+                *(pltpu.VMEM(scale_buffer_shape, jnp.float32) for _ in scales),
             ],
         ),
         compiler_params=tpu_compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="sparse_paged_decode" if not dense else "paged_decode",
-    )(*scalar_args, q4, k_pages, v_pages)
+    )(*scalar_args, q4, k_pages, v_pages, *scales)
     acc, row_max, row_sum = acc[:, :, :, 0], row_max[:, :, :, 0, 0], row_sum[:, :, :, 0, 0]
     if num_splits == 1:
         return acc[0] / row_sum[0][..., None], row_max[0], row_sum[0]

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _pages
+from ._quant import dequantize
 
 # How one block of gathered pages is folded into the softmax state:
 #   mulsum : logits and p.v as broadcast-multiply + reduce (XLA maps them to its CPU library fusions)
@@ -81,10 +82,13 @@ def attend_read_list_xla(
     sm_scale: float,
     pages_per_block: int | None = None,
     formulation: str = DEFAULT_FORMULATION,
+    k_scale=None,  # f32[N, ps] with int8 pages (pallas_kernels._quant), else None
+    v_scale=None,
 ):
     """Online-softmax attention of each query head over its row's listed pages.
 
-    Row (b, hs) of the read list serves query heads hs*Gq .. hs*Gq+Gq-1 (Gq = Hq // Hsel).
+    Row (b, hs) of the read list serves query heads hs*Gq .. hs*Gq+Gq-1 (Gq = Hq // Hsel). int8 pages are
+    dequantised as they are gathered, block by block (the pool is read as int8).
     Returns (out f32[B, Hq, D], row_max f32[B, Hq], row_sum f32[B, Hq]) over logits scaled by sm_scale.
     """
     if formulation not in FORMULATIONS:
@@ -102,17 +106,17 @@ def attend_read_list_xla(
     if q_per_row == 1:
         q_rows = q_rows[:, 0]  # [R, D]: no size-1 axis (see the module docstring)
 
-    def gather(pool, pages):
+    def gather(pool, scale, pages):
         gathered = pool.at[pages].get(mode="promise_in_bounds")  # pages are clamped into the pool
         if formulation == "mulsum_barrier":
             gathered = lax.optimization_barrier(gathered)
-        return gathered.astype(jnp.float32)
+        return dequantize(gathered, None if scale is None else scale.at[pages].get(mode="promise_in_bounds"))
 
     # 1. The current page (entry 0), masked slot by slot: the only page with slots past the length.
     slot = jnp.arange(page_size, dtype=jnp.int32)
     current_valid = slot < counts[:, :1]  # [R, ps]
-    k_current = gather(k_pages, physical[:, 0])  # [R, ps, D]
-    v_current = jnp.where(current_valid[..., None], gather(v_pages, physical[:, 0]), 0.0)
+    k_current = gather(k_pages, k_scale, physical[:, 0])  # [R, ps, D]
+    v_current = jnp.where(current_valid[..., None], gather(v_pages, v_scale, physical[:, 0]), 0.0)
     if q_per_row > 1:
         current_valid = current_valid[:, None]
     logits = jnp.where(current_valid, _logits(q_rows, k_current, formulation), -jnp.inf)
@@ -148,8 +152,8 @@ def attend_read_list_xla(
         row_max, row_sum, acc = state  # [R(, Gq)], [R(, Gq)], [R, (Gq,) D]
         block_pages = lax.dynamic_index_in_dim(page_blocks, block_index, keepdims=False)  # [R, nb]
         block_readable = lax.dynamic_index_in_dim(readable_blocks, block_index, keepdims=False)
-        k = gather(k_pages, block_pages)  # [R, nb, ps, D]
-        v = gather(v_pages, block_pages)
+        k = gather(k_pages, k_scale, block_pages)  # [R, nb, ps, D]
+        v = gather(v_pages, v_scale, block_pages)
         page_mask = block_readable[:, :, None] if q_per_row == 1 else block_readable[:, None, :, None]
         logits = jnp.where(page_mask, _logits(q_rows, k, formulation), -jnp.inf)  # [R, (Gq,) nb, ps]
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=(-2, -1)))  # finite: current page seen

@@ -22,7 +22,8 @@ def _finish(q, out, row_max, row_sum, return_stats):
 
 
 def _attend_read_list(
-    backend, q, k_pages, v_pages, physical, counts, *, sm_scale, interpret, pages_per_block, num_splits, formulation
+    backend, q, k_pages, v_pages, physical, counts, *, sm_scale, interpret, pages_per_block, num_splits, formulation,
+    k_scale, v_scale,
 ):
     """Attention over a read list (physical pages and valid slots per entry) on the XLA or Pallas GPU path."""
     if backend == "xla":
@@ -34,6 +35,8 @@ def _attend_read_list(
             counts,
             sm_scale=sm_scale,
             pages_per_block=pages_per_block,
+            k_scale=k_scale,
+            v_scale=v_scale,
             **({"formulation": formulation} if formulation else {}),
         )
     from .decode_gpu import decode_gpu
@@ -48,6 +51,8 @@ def _attend_read_list(
         interpret=resolve_interpret(backend, interpret),
         pages_per_block=pages_per_block,
         num_splits=num_splits,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -66,6 +71,8 @@ def sparse_paged_decode(
     pages_per_block=None,
     num_splits=None,
     formulation=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Attention of one decode query per head over its selected pages plus its current page.
 
@@ -82,6 +89,8 @@ def sparse_paged_decode(
       interpret: for Pallas backends; None interprets off their own platform.
       pages_per_block, num_splits: tuning of the loop/grid (None = heuristic); formulation: the XLA
         path's block computation (see `decode_xla.FORMULATIONS`).
+      k_scale, v_scale: f32[N, ps], the per-slot scales of int8 pages (`pallas_kernels._quant`); every
+        backend dequantises as it reads. None for float pages.
 
     Returns:
       out [B, Hq, D] in q's dtype (and row max, row sum f32[B, Hq] with `return_stats`).
@@ -89,10 +98,12 @@ def sparse_paged_decode(
     backend = resolve_backend(backend)
     if backend == "reference":
         return sparse_paged_decode_reference(
-            q, k_pages, v_pages, page_table, selected, lengths, sm_scale=sm_scale, return_stats=return_stats
+            q, k_pages, v_pages, page_table, selected, lengths, sm_scale=sm_scale, return_stats=return_stats,
+            k_scale=k_scale, v_scale=v_scale,
         )
     dims = check_decode_inputs(
-        q, k_pages, v_pages, page_table, lengths, selected, strict_page_size=backend != "xla"
+        q, k_pages, v_pages, page_table, lengths, selected, strict_page_size=backend != "xla", k_scale=k_scale,
+        v_scale=v_scale,
     )
     sm_scale = resolve_sm_scale(sm_scale, dims.head_dim)
     selected = _pages.normalize_selection(selected, lengths, dims.page_size)
@@ -110,13 +121,16 @@ def sparse_paged_decode(
             interpret=resolve_interpret(backend, interpret),
             pages_per_block=pages_per_block,
             num_splits=num_splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     else:
         logical, counts = _pages.sparse_read_list(selected, lengths, dims.page_size)
         physical = _pages.physical_pages(page_table, logical, dims.num_pages)
         out, row_max, row_sum = _attend_read_list(
             backend, q, k_pages, v_pages, physical, counts, sm_scale=sm_scale, interpret=interpret,
-            pages_per_block=pages_per_block, num_splits=num_splits, formulation=formulation,
+            pages_per_block=pages_per_block, num_splits=num_splits, formulation=formulation, k_scale=k_scale,
+            v_scale=v_scale,
         )
     return _finish(q, out, row_max, row_sum, return_stats)
 
@@ -135,6 +149,8 @@ def paged_decode(
     pages_per_block=None,
     num_splits=None,
     formulation=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Dense paged decode: attention of each query head over every valid slot of its kv head.
 
@@ -143,9 +159,12 @@ def paged_decode(
     backend = resolve_backend(backend)
     if backend == "reference":
         return paged_decode_reference(
-            q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale, return_stats=return_stats
+            q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale, return_stats=return_stats,
+            k_scale=k_scale, v_scale=v_scale,
         )
-    dims = check_decode_inputs(q, k_pages, v_pages, page_table, lengths, strict_page_size=backend != "xla")
+    dims = check_decode_inputs(
+        q, k_pages, v_pages, page_table, lengths, strict_page_size=backend != "xla", k_scale=k_scale, v_scale=v_scale
+    )
     sm_scale = resolve_sm_scale(sm_scale, dims.head_dim)
     if backend == "pallas_tpu":
         from .decode_tpu import decode_tpu
@@ -161,12 +180,15 @@ def paged_decode(
             interpret=resolve_interpret(backend, interpret),
             pages_per_block=pages_per_block,
             num_splits=num_splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         return _finish(q, out, row_max, row_sum, return_stats)
     logical, counts = _pages.dense_read_list(lengths, dims.max_pages, dims.page_size)
     physical = _pages.physical_pages(page_table, logical, dims.num_pages)
     out, row_max, row_sum = _attend_read_list(
         backend, q, k_pages, v_pages, physical, counts, sm_scale=sm_scale, interpret=interpret,
-        pages_per_block=pages_per_block, num_splits=num_splits, formulation=formulation,
+        pages_per_block=pages_per_block, num_splits=num_splits, formulation=formulation, k_scale=k_scale,
+        v_scale=v_scale,
     )
     return _finish(q, out, row_max, row_sum, return_stats)

@@ -32,6 +32,19 @@ class PagedInputs:
         floats = [jnp.asarray(x, dtype) for x in (self.q, self.k_pages, self.v_pages, self.kmin, self.kmax)]
         return (*floats, jnp.asarray(self.page_table), jnp.asarray(self.lengths))
 
+    def as_int8(self):
+        """(k_pages, v_pages, k_scale, v_scale) as int8 pages with per-slot scales (`quantize_int8`). A slot
+        that is not valid keeps int8 garbage and a NaN scale, so a kernel that reads one shows it."""
+        from ._quant import quantize_int8
+
+        out = []
+        for pages in (self.k_pages, self.v_pages):
+            invalid = np.isnan(pages).any(axis=-1)  # [N, ps]
+            q, scale = quantize_int8(jnp.asarray(np.where(invalid[..., None], 0.0, pages)))
+            out.append((q, jnp.where(jnp.asarray(invalid), jnp.nan, scale)))
+        (k, k_scale), (v, v_scale) = out
+        return k, v, k_scale, v_scale
+
 
 def make_paged_inputs(
     rng: np.random.Generator,

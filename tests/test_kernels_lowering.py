@@ -17,27 +17,37 @@ from kvjax import pallas_kernels as pk
 B, HQ, KVH, D, PS, P, N, K = 2, 8, 2, 128, 16, 64, 300, 7
 
 
-def abstract_args(dtype, per_kv_head):
+def abstract_args(dtype, per_kv_head, page_dtype=None):
+    """Abstract inputs; `page_dtype` int8 gives int8 pages with float32 per-slot scales (queries in `dtype`)."""
     s = jax.ShapeDtypeStruct
-    return dict(
+    page_dtype = page_dtype or dtype
+    args = dict(
         q=s((B, HQ, D), dtype),
-        k_pages=s((N, PS, D), dtype),
-        v_pages=s((N, PS, D), dtype),
+        k_pages=s((N, PS, D), page_dtype),
+        v_pages=s((N, PS, D), page_dtype),
         kmin=s((N, D), dtype),
         kmax=s((N, D), dtype),
         page_table=s((B, KVH, P), jnp.int32),
         selected=s((B, KVH if per_kv_head else HQ, K), jnp.int32),
         lengths=s((B, KVH), jnp.int32),
     )
+    if page_dtype == jnp.int8:
+        args.update(k_scale=s((N, PS), jnp.float32), v_scale=s((N, PS), jnp.float32))
+    return args
+
+
+def _scales(a):
+    return dict(k_scale=a.get("k_scale"), v_scale=a.get("v_scale"))
 
 
 def kernels(backend):
     return {
         "sparse_paged_decode": lambda a: pk.sparse_paged_decode(
             a["q"], a["k_pages"], a["v_pages"], a["page_table"], a["selected"], a["lengths"],
-            backend=backend, interpret=False, return_stats=True),
+            backend=backend, interpret=False, return_stats=True, **_scales(a)),
         "paged_decode": lambda a: pk.paged_decode(
-            a["q"], a["k_pages"], a["v_pages"], a["page_table"], a["lengths"], backend=backend, interpret=False),
+            a["q"], a["k_pages"], a["v_pages"], a["page_table"], a["lengths"], backend=backend, interpret=False,
+            **_scales(a)),
         "quest_page_scores": lambda a: pk.quest_page_scores(
             a["q"], a["kmin"], a["kmax"], a["page_table"], a["lengths"], page_size=PS, backend=backend,
             interpret=False),
@@ -78,4 +88,21 @@ def simulated_tpu():
 @pytest.mark.parametrize("dtype, per_kv_head", [(jnp.float32, False), (jnp.bfloat16, True)])
 def test_tpu_kernels_lower_to_mosaic(simulated_tpu, kernel, dtype, per_kv_head):
     text = lower_text(kernels("pallas_tpu")[kernel], abstract_args(dtype, per_kv_head), "tpu")
+    assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode"])
+def test_int8_decode_kernels_lower_to_triton(kernel):
+    from kvjax.pallas_kernels._backend import triton_compiler_params
+
+    if triton_compiler_params() is None:
+        pytest.skip("this JAX has no Pallas Triton backend")
+    text = lower_text(kernels("pallas_gpu")[kernel], abstract_args(jnp.float32, False, jnp.int8), "cuda")
+    assert "triton" in text
+
+
+@pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode"])
+@pytest.mark.parametrize("dtype, per_kv_head", [(jnp.float32, False), (jnp.bfloat16, True)])
+def test_int8_decode_kernels_lower_to_mosaic(simulated_tpu, kernel, dtype, per_kv_head):
+    text = lower_text(kernels("pallas_tpu")[kernel], abstract_args(dtype, per_kv_head, jnp.int8), "tpu")
     assert "tpu_custom_call" in text

@@ -36,7 +36,8 @@ def check_invariants(state):
     refcount = np.asarray(state.refcount)
     assert np.all(refcount[used] == 1)
     # metadata equals the min/max over valid slots
-    k, kmin, kmax, slot_pos = (np.asarray(x) for x in (state.k_pages, state.kmin, state.kmax, state.slot_pos))
+    keys = state.read_k(np.arange(state.num_pages))  # the keys attention reads (dequantised int8 pages)
+    k, kmin, kmax, slot_pos = (np.asarray(x) for x in (keys, state.kmin, state.kmax, state.slot_pos))
     holes = np.asarray(state.hole)
     for idx in np.ndindex(*lengths.shape):
         n = int(lengths[idx])
