@@ -4,11 +4,16 @@ The host loop of `kvjax.generation.continue_rows` returns to Python after every 
 tokens out and test EOS. On a GPU or TPU that round trip costs more than a small model's step. Here one
 call runs up to `steps` (static) decode steps on the device:
 
-    for each step, while steps remain and some row is not done:
-        append the pending tokens (the step of `kvjax.step`, with its policy), giving new logits
+    for each step, while some row is live (not done and below its own step limit):
+        append the live rows' pending tokens (the step of `kvjax.step`, with its policy), giving new logits
         split the key and sample (`kvjax.sampling.sample_tokens`, the same split as the host loop)
-        record each row's token and log-probability (-1 and NaN once the row is done)
+        record each live row's token and log-probability (-1 and NaN for the others)
         rows that sampled an EOS token are done
+
+Rows that are not live append nothing, so a row that finished (or an empty row of the serving engine's
+batch, `kvjax.serving.batch_engine`) takes no pages and changes no other row. The key is one PRNG key for
+the batch (`generate`: one seed), or one key per row (`[B, 2]`, the engine: a seed per request); with per-row
+keys each row samples exactly as it would alone.
 
 The first token of a generation is sampled from the prefill's logits before any dispatch, so every
 dispatch starts by appending. Results equal the host loop's token for token: same key sequence, same
@@ -38,7 +43,7 @@ class Dispatch(NamedTuple):
     state: KVState
     logits: jax.Array  # f32[B, V] after the last appended tokens
     pending: jax.Array  # int32[B] the last sampled tokens, not yet appended
-    key: jax.Array  # the PRNG key after the last split
+    key: jax.Array  # the PRNG key (or keys, [B, 2]) after the last split
     done: jax.Array  # bool[B] rows that have produced an EOS token
     tokens: jax.Array  # int32[B, K] tokens of the steps run (-1 for done rows and steps not run)
     logprobs: jax.Array  # f32[B, K] their log-probabilities (NaN where the token is -1)
@@ -54,30 +59,47 @@ def decode_steps(
     params, state: KVState, logits, pending, key, done, eos, limit, *, step: Callable, steps: int,
     cfg: ModelConfig, dtype, policy: Policy, temperature: float, top_k: int, top_p: float,
 ) -> Dispatch:
-    """Run at most `min(steps, limit)` decode steps (module docstring) from `pending int32[B]`, `key`,
-    `done bool[B]`; `eos int32[E]` are the stop tokens, `limit int32[]` the steps still allowed. `step` is a
-    `StepBackend.append_step` (static: one program per backend and shape). Donates `state`."""
+    """Run at most `steps` decode steps (module docstring) from `pending int32[B]`, `key` (one key, or
+    `[B, 2]` per row), `done bool[B]`; `eos int32[E]` are the stop tokens, `limit int32[]` or `int32[B]` the
+    steps each row may still take. `step` is a `StepBackend.append_step` (static: one program per backend
+    and shape). Donates `state`."""
     B = pending.shape[0]
     tokens = jnp.full((B, steps), -1, jnp.int32)
     logprobs = jnp.full((B, steps), jnp.nan, jnp.float32)
-    bound = jnp.minimum(limit, steps)
+    limit = jnp.broadcast_to(limit, (B,))
+    per_row_keys = key.ndim == 2
+
+    def live(i, done):
+        return ~done & (i < limit)
+
+    def sample(logits, key):
+        if not per_row_keys:
+            key, step_key = jax.random.split(key)
+            return (key, *sample_tokens(logits, step_key, temperature, top_k, top_p))
+
+        def one_row(row_logits, row_key):  # a [1, V] batch: the shapes `generate` samples one prompt with
+            row_key, step_key = jax.random.split(row_key)
+            token, logprob = sample_tokens(row_logits[None], step_key, temperature, top_k, top_p)
+            return row_key, token[0], logprob[0]
+
+        return jax.vmap(one_row)(logits, key)
 
     def cond(carry):
         i, done = carry[0], carry[5]
-        return (i < bound) & ~jnp.all(done)
+        return (i < steps) & jnp.any(live(i, done))
 
     def body(carry):
         i, state, logits, pending, key, done, tokens, logprobs = carry
+        appending = live(i, done)
         state, _, logits = step(
-            params, state, None, pending[:, None], jnp.ones((B,), jnp.int32), logits, None, cfg=cfg, dtype=dtype,
+            params, state, None, pending[:, None], appending.astype(jnp.int32), logits, None, cfg=cfg, dtype=dtype,
             policy=policy,
         )
-        key, step_key = jax.random.split(key)
-        new, new_logprobs = sample_tokens(logits, step_key, temperature, top_k, top_p)
-        tokens = tokens.at[:, i].set(jnp.where(done, -1, new))
-        logprobs = logprobs.at[:, i].set(jnp.where(done, jnp.nan, new_logprobs))
-        done = done | jnp.isin(new, eos)
-        return i + 1, state, logits, new, key, done, tokens, logprobs
+        key, new, new_logprobs = sample(logits, key)
+        tokens = tokens.at[:, i].set(jnp.where(appending, new, -1))
+        logprobs = logprobs.at[:, i].set(jnp.where(appending, new_logprobs, jnp.nan))
+        done = done | (appending & jnp.isin(new, eos))
+        return i + 1, state, logits, jnp.where(appending, new, pending), key, done, tokens, logprobs
 
     count, state, logits, pending, key, done, tokens, logprobs = jax.lax.while_loop(
         cond, body, (jnp.int32(0), state, logits, pending, key, done, tokens, logprobs)
