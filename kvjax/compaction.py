@@ -17,7 +17,7 @@ import numpy as np
 from kvjax.state import KVState, pages_for
 
 
-def _push_free(state: KVState, pages: jax.Array, release: jax.Array) -> KVState:
+def push_free(state: KVState, pages: jax.Array, release: jax.Array) -> KVState:
     """Return `pages` (any shape) where `release` holds to the free stack; refcounts drop to 0."""
     N = state.num_pages
     pages, release = pages.reshape(-1), release.reshape(-1)
@@ -97,7 +97,7 @@ def compact_layer(state: KVState, layer, keep_slots: jax.Array, keep_count: jax.
     new_used = pages_for(keep_count, ps)[:, :, None]
     old_used = pages_for(state.lengths[layer], ps)[:, :, None]
     release = (p >= new_used) & (p < old_used)
-    state = _push_free(state, table, release)
+    state = push_free(state, table, release)
     return state.replace(
         page_table=state.page_table.at[layer].set(jnp.where(p >= new_used, -1, table)),
         lengths=state.lengths.at[layer].set(keep_count.astype(jnp.int32)),

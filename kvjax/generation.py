@@ -22,7 +22,7 @@ from kvjax.loading import Model
 from kvjax.models import CausalLM
 from kvjax.policies import FullPolicy, Policy
 from kvjax.rope import rope_frequencies, uses_long_factors
-from kvjax.sampling import sample_tokens, validate_sampling
+from kvjax.sampling import sample_first_tokens, validate_sampling
 from kvjax.state import CacheCapacityError, KVState, overflow_error, pages_for
 from kvjax.step import LOCAL_BACKEND, StepBackend, new_window
 
@@ -57,11 +57,6 @@ def dense_forward(params, tokens, cfg: ModelConfig, dtype=jnp.float32, long_rope
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "long_rope"))
 def _dense_logits(params, tokens, *, cfg: ModelConfig, dtype, long_rope: bool):
     return dense_forward(params, tokens, cfg, dtype, long_rope)
-
-
-@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
-def _sample(logits, key, *, temperature, top_k, top_p):
-    return sample_tokens(logits, key, temperature, top_k, top_p)
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -456,7 +451,7 @@ def continue_rows(
     out = np.full((B, max_new_tokens), -1, np.int32)
     out_logprobs = np.full((B, max_new_tokens), np.nan, np.float32)
     key, step_key = jax.random.split(jax.random.PRNGKey(seed))
-    pending, logprobs = _sample(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)
+    pending, logprobs = sample_first_tokens(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)
     out[:, 0], out_logprobs[:, 0] = np.asarray(pending), np.asarray(logprobs)
     done = np.isin(out[:, 0], eos_array)
     done_device, eos_device = jnp.asarray(done), jnp.asarray(eos_array)

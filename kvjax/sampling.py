@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -31,6 +33,13 @@ def sample_tokens(
         tokens = jax.random.categorical(key, scaled, axis=-1)
     tokens = tokens.astype(jnp.int32)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
+def sample_first_tokens(logits, key, *, temperature: float, top_k: int, top_p: float):
+    """`sample_tokens` as its own jitted call: the first token of a generation, from the prefill's logits
+    (`generate` and the serving engine sample it this way, so both choose alike)."""
+    return sample_tokens(logits, key, temperature, top_k, top_p)
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:

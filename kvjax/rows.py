@@ -1,0 +1,89 @@
+"""Rows of a batch state: insert a separately prefilled sequence into a free row, release a finished one.
+
+The serving engine (`kvjax.serving.batch_engine`) prefills each request on its own, exactly as `generate`
+does (every policy: chunked prefill, compression after it or per chunk), then inserts the one-sequence
+state into a free row of its decode batch, where the same on-device decode loop as `generate` advances
+every row together; a finished row's pages go back to the batch pool's free stack. (JetStream's prefill /
+insert / generate split.) Both are pure functions of immutable states, jitted once per shape.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.compaction import push_free
+from kvjax.state import OVERFLOW_NONE, OVERFLOW_POOL, KVState
+
+# per-page fields copied with a page (the scales only exist for int8 pages)
+_PAGE_FIELDS = ("k_pages", "v_pages", "kmin", "kmax", "slot_pos", "slot_score", "k_scale", "v_scale")
+
+
+def pages_held(state: KVState, row: int = 0) -> int:
+    """Pages sequence `row` of `state` holds over all layers and heads (a small device read)."""
+    return int(np.sum(np.asarray(state.page_table[:, row]) >= 0))
+
+
+@functools.partial(jax.jit, donate_argnames=("batch",))
+def insert_row(batch: KVState, row: KVState, slot: jax.Array) -> KVState:
+    """Copy sequence 0 of `row` (a one-sequence state of the same model, page size, page-table width and
+    page dtype) into row `slot` (int32[], a row holding no pages) of `batch`, on pages taken from `batch`'s
+    free stack: K/V (and scales), min/max, positions, scores, lengths, the eviction hole and the next
+    position. When the pool has too few free pages nothing is copied and `overflow` records it (check
+    `pages_held(row)` against `batch.num_free` first). Donates `batch`."""
+    N = batch.num_pages
+    L, _, H, P = row.page_table.shape
+    bL, _, bH, bP = batch.page_table.shape
+    if (bL, bH, bP) != (L, H, P) or batch.page_size != row.page_size:
+        raise ValueError(f"a row of page table {row.page_table.shape} and page size {row.page_size} does not fit a "
+                         f"batch of {batch.page_table.shape} and page size {batch.page_size}")
+    if batch.k_pages.dtype != row.k_pages.dtype:
+        raise ValueError(f"row pages are {row.k_pages.dtype}, the batch's {batch.k_pages.dtype}")
+    table = row.page_table[:, 0].reshape(-1)  # [L*H*P]
+    held = table >= 0
+    need = jnp.sum(held)
+    ok = need <= batch.num_free
+    rank = jnp.cumsum(held) - 1
+    taken = batch.free_pages[jnp.clip(batch.num_free - 1 - rank, 0, N - 1)]
+    dst = jnp.where(held & ok, taken, N)  # N: out of bounds, dropped
+    src = jnp.clip(table, 0, row.num_pages - 1)
+    copies = {
+        name: getattr(batch, name).at[dst].set(getattr(row, name)[src], mode="drop")
+        for name in _PAGE_FIELDS
+        if getattr(batch, name) is not None
+    }
+    new_table = jnp.where(held, dst, -1).reshape(L, H, P)
+    first_failure = ~ok & (batch.overflow[0] == OVERFLOW_NONE)
+    overflow = jnp.where(first_failure, jnp.stack([OVERFLOW_POOL, need, batch.num_free]).astype(jnp.int32),
+                         batch.overflow)
+    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+    return batch.replace(
+        **copies,
+        page_table=batch.page_table.at[:, slot].set(keep(new_table, batch.page_table[:, slot])),
+        lengths=batch.lengths.at[:, slot].set(keep(row.lengths[:, 0], batch.lengths[:, slot])),
+        hole=batch.hole.at[:, slot].set(keep(row.hole[:, 0], batch.hole[:, slot])),
+        next_position=batch.next_position.at[slot].set(keep(row.next_position[0], batch.next_position[slot])),
+        refcount=batch.refcount.at[dst].set(1, mode="drop"),
+        num_free=batch.num_free - jnp.where(ok, need, 0),
+        overflow=overflow,
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("batch",))
+def release_row(batch: KVState, slot: jax.Array) -> KVState:
+    """Return every page of row `slot` (int32[]) of `batch` to the free stack and empty the row. Donates
+    `batch`."""
+    table = batch.page_table[:, slot]  # [L, H, P]
+    batch = push_free(batch, table, table >= 0)
+    return batch.replace(
+        page_table=batch.page_table.at[:, slot].set(-1),
+        lengths=batch.lengths.at[:, slot].set(0),
+        hole=batch.hole.at[:, slot].set(-1),
+        next_position=batch.next_position.at[slot].set(0),
+    )
+
+
+__all__ = ["insert_row", "pages_held", "release_row"]

@@ -1,0 +1,283 @@
+"""The serving engine over `generate`'s own machinery: every policy, continuous batching, sampling per request.
+
+A request is prefilled on its own by `kvjax.generation.prefill_rows` (chunked prefill with its policy:
+compression after prefill, per-chunk eviction, Quest's metadata), its decode tail fed by `feed_tokens`, and
+its first token sampled from the prefill's logits, exactly as `generate` does for one prompt. The
+one-sequence state is then inserted into a free row of a decode batch (`kvjax.rows.insert_row`), and
+`kvjax.decode_loop.decode_steps`, `generate`'s on-device loop with its append step and kernels, advances
+every live row of the batch `steps_per_dispatch` tokens per call. A finished row (EOS, its token limit, or
+its `on_tokens` callback asking to stop) is released at once (`release_row`) and its row and pages serve
+the next request, so requests join and leave the batch between dispatches.
+
+Rows of one batch share what the compiled step takes as static: the policy, the sampling settings
+(temperature, top-k, top-p; each request keeps its own seed, one PRNG key per row) and the stop tokens.
+Requests that differ there go to different batches (`_Batch`, created on demand), served in turn. Each
+batch owns one page pool, sized for `max_rows` full-capacity rows by default. Tokens equal `generate`'s
+for the same prompt, policy and seed (`tests/test_batch_engine.py`).
+
+    engine = BatchEngine(model, max_rows=8, capacity=2048)
+    rid = engine.submit(prompt_ids, max_new_tokens=32, policy=make_policy("snapkv", token_budget=256))
+    outputs = engine.run()             # request id -> BatchRequest (tokens, logprobs, finish_reason)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.decode_loop import decode_steps
+from kvjax.generation import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_STEPS_PER_DISPATCH,
+    as_token_lists,
+    feed_tokens,
+    policy_or_full,
+    prefill_rows,
+)
+from kvjax.loading import Model
+from kvjax.policies import Policy
+from kvjax.rope import uses_long_factors
+from kvjax.rows import insert_row, pages_held, release_row
+from kvjax.sampling import sample_first_tokens, validate_sampling
+from kvjax.state import CacheCapacityError, KVState, init_state, overflow_error, pages_for
+from kvjax.step import LOCAL_BACKEND
+
+
+@dataclass(eq=False)
+class BatchRequest:
+    """A request and, as it runs, its output: `tokens` (EOS included when one ended it), their `logprobs`,
+    and `finish_reason` ("stop": an EOS token, "length": `max_new_tokens`, "abort": `on_tokens` asked to
+    stop) once finished. `on_tokens(request, new_tokens: list[int])` is called after every dispatch that
+    gave the request tokens; returning True ends it."""
+
+    request_id: str
+    prompt: np.ndarray
+    max_new_tokens: int
+    policy: Policy
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    eos: tuple[int, ...] = ()
+    decode_last: int = 0
+    on_tokens: Callable[["BatchRequest", list[int]], bool | None] | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def batch_key(self) -> tuple:
+        """What rows of one decode batch must share (static in the compiled step)."""
+        return (self.policy, self.temperature, self.top_k, self.top_p, self.eos)
+
+
+@dataclass(eq=False)
+class _Prefilled:
+    """A request prefilled on its own, waiting for a row: its one-sequence state and sampling carry."""
+
+    request: BatchRequest
+    state: KVState
+    logits: jax.Array  # f32[1, V] after the prompt (and decode tail)
+    pending: int  # the first sampled token, not yet appended
+    key: jax.Array  # the request's PRNG key after the first split
+    long_rope: bool
+
+
+class _Batch:
+    """One decode batch: a `max_rows`-row state on one pool, the rows' sampling carry and their requests."""
+
+    def __init__(self, engine: "BatchEngine", key: tuple, long_rope: bool):
+        cfg = engine.model.cfg
+        self.policy, self.temperature, self.top_k, self.top_p, eos = key
+        self.eos = jnp.asarray(np.asarray(eos, np.int32).reshape(-1))
+        R = engine.max_rows
+        num_pages = engine.pool_pages or R * cfg.num_layers * cfg.num_kv_heads * pages_for(engine.capacity, engine.page_size)
+        self.state = init_state(cfg, R, engine.capacity, engine.page_size, num_pages=num_pages,
+                                dtype=engine.model.cache_dtype, long_rope=long_rope)
+        self.read_pages: tuple | None = ()  # () until the first row: then the rows' largest bounds
+        self.logits = jnp.zeros((R, cfg.vocab_size), jnp.float32)
+        self.pending = np.zeros(R, np.int32)
+        self.keys = jnp.zeros((R, 2), jnp.uint32)
+        self.rows: list[BatchRequest | None] = [None] * R
+
+    def free_row(self) -> int | None:
+        return next((i for i, r in enumerate(self.rows) if r is None), None)
+
+    @property
+    def live(self) -> bool:
+        return any(r is not None for r in self.rows)
+
+    def widen_reads(self, row_bounds: tuple | None) -> None:
+        """Static read bounds covering every row's (None: every page); wider bounds compile a new step."""
+        if self.read_pages == ():
+            self.read_pages = row_bounds
+        elif self.read_pages is not None:
+            self.read_pages = None if row_bounds is None else tuple(map(max, self.read_pages, row_bounds))
+        self.state = self.state.replace(read_pages=self.read_pages)
+
+
+class BatchEngine:
+    """Continuous batching over `generate`'s prefill, step and decode loop (module docstring).
+
+    `max_rows`: rows per decode batch; `capacity`: tokens one request may reach (prompt plus new tokens)
+    per layer and head; `pool_pages`: pages of each batch's pool (default: `max_rows` full-capacity rows).
+    A request that cannot fit `capacity` is refused at `submit` (ValueError); one that fits but finds no
+    free row or too few free pages waits, prefilled, until a row finishes."""
+
+    def __init__(self, model: Model, *, max_rows: int = 8, capacity: int = 2048, page_size: int = 16,
+                 pool_pages: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH):
+        if max_rows < 1 or capacity < 1 or steps_per_dispatch < 1:
+            raise ValueError(f"max_rows, capacity and steps_per_dispatch must be >= 1, got {max_rows}, {capacity}, "
+                             f"{steps_per_dispatch}")
+        self.model, self.max_rows, self.capacity, self.page_size = model, max_rows, capacity, page_size
+        self.pool_pages, self.chunk_size, self.steps = pool_pages, chunk_size, steps_per_dispatch
+        self.waiting: deque[BatchRequest] = deque()
+        self.ready: deque[_Prefilled] = deque()
+        self.batches: dict[tuple, _Batch] = {}
+        self.requests: dict[str, BatchRequest] = {}
+        self._ids = itertools.count()
+        self._turn = 0
+        self.dispatches = 0
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def submit(self, prompt_ids, max_new_tokens: int = 16, policy: Policy | None = None, *, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None, decode_last: int = 0,
+               on_tokens: Callable | None = None, request_id: str | None = None) -> str:
+        """Queue one request (a token list); returns its id. Arguments as `generate`'s for one prompt."""
+        (prompt,) = as_token_lists([prompt_ids], self.model.cfg.vocab_size)
+        validate_sampling(temperature, top_k, top_p)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not 0 <= decode_last < len(prompt):
+            raise ValueError(f"decode_last must be in [0, prompt length {len(prompt)}), got {decode_last}")
+        if len(prompt) + max_new_tokens > self.capacity:
+            raise ValueError(f"prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"engine's capacity of {self.capacity} tokens per request")
+        eos = self.model.eos_token_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        policy = policy_or_full(policy)
+        policy.validate(self.page_size)
+        request = BatchRequest(request_id, prompt, max_new_tokens, policy, float(temperature), int(top_k),
+                               float(top_p), int(seed), tuple(int(e) for e in eos), decode_last, on_tokens)
+        self.requests[request_id] = request
+        self.waiting.append(request)
+        return request_id
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.ready or any(b.live for b in self.batches.values()))
+
+    def run(self) -> dict[str, BatchRequest]:
+        """Step until every request has finished; returns every request by id."""
+        while self.has_work:
+            self.step()
+        return dict(self.requests)
+
+    # ------------------------------------------------------------------------------------------ one step
+
+    def step(self) -> None:
+        """Admit what fits (prefill one waiting request, insert prefilled ones into free rows), then run one
+        dispatch of one live batch (batches take turns)."""
+        if self.waiting:
+            self._prefill(self.waiting.popleft())
+        self._insert_ready()
+        live = [b for b in self.batches.values() if b.live]
+        if live:
+            self._dispatch(live[self._turn % len(live)])
+            self._turn += 1
+        elif self.ready and not self.waiting:
+            blocked = self.ready[0]
+            raise CacheCapacityError(
+                f"request {blocked.request.request_id} holds {pages_held(blocked.state)} pages, more than a batch "
+                "pool has: raise pool_pages", pages_held(blocked.state), 0)
+
+    def _prefill(self, request: BatchRequest) -> None:
+        model, prompt, tail = self.model, request.prompt, request.decode_last
+        declared = len(prompt) + request.max_new_tokens
+        state, logits = prefill_rows(
+            model, [prompt[: len(prompt) - tail]], request.policy, self.page_size, self.capacity, self.chunk_size,
+            declared, request.max_new_tokens + tail,
+        )
+        state, logits = feed_tokens(model, state, logits, [prompt[len(prompt) - tail:]], request.policy)
+        key, step_key = jax.random.split(jax.random.PRNGKey(request.seed))
+        token, logprob = sample_first_tokens(logits, step_key, temperature=request.temperature, top_k=request.top_k,
+                                             top_p=request.top_p)
+        first = int(token[0])
+        if self._emit(request, [first], [float(logprob[0])]):
+            return
+        self.ready.append(_Prefilled(request, state, logits, first, key, uses_long_factors(model.cfg, declared)))
+
+    def _insert_ready(self) -> None:
+        still = deque()
+        while self.ready:
+            item = self.ready.popleft()
+            key = item.request.batch_key + (item.long_rope,)
+            batch = self.batches.get(key) or self.batches.setdefault(key, _Batch(self, key[:-1], item.long_rope))
+            slot = batch.free_row()
+            if slot is None or pages_held(item.state) > int(batch.state.num_free):
+                still.append(item)
+                continue
+            batch.widen_reads(item.state.read_pages)
+            # the row's own read bounds are static data: dropped, so one insert program serves every row
+            batch.state = insert_row(batch.state, item.state.replace(read_pages=None), jnp.int32(slot))
+            batch.logits = batch.logits.at[slot].set(item.logits[0])
+            batch.pending[slot] = item.pending
+            batch.keys = batch.keys.at[slot].set(item.key)
+            batch.rows[slot] = item.request
+        self.ready = still
+
+    def _dispatch(self, batch: _Batch) -> None:
+        R = self.max_rows
+        limit = np.array([0 if r is None else r.max_new_tokens - len(r.tokens) for r in batch.rows], np.int32)
+        done = jnp.asarray(limit <= 0)
+        run = decode_steps(
+            self.model.params, batch.state, batch.logits, jnp.asarray(batch.pending), batch.keys, done, batch.eos,
+            jnp.asarray(limit), step=LOCAL_BACKEND.append_step, steps=self.steps, cfg=self.model.cfg,
+            dtype=self.model.dtype, policy=batch.policy, temperature=batch.temperature, top_k=batch.top_k,
+            top_p=batch.top_p,
+        )
+        batch.state, batch.logits, batch.keys = run.state, run.logits, run.key
+        batch.pending = np.array(run.pending)
+        self.dispatches += 1
+        error = overflow_error(batch.state)
+        if error is not None:
+            raise error
+        count = int(run.count)
+        tokens, logprobs = np.asarray(run.tokens)[:, :count], np.asarray(run.logprobs)[:, :count]
+        for slot in range(R):
+            request = batch.rows[slot]
+            if request is None:
+                continue
+            got = tokens[slot] >= 0
+            if self._emit(request, tokens[slot][got].tolist(), logprobs[slot][got].tolist()):
+                batch.state = release_row(batch.state, jnp.int32(slot))
+                batch.rows[slot] = None
+
+    def _emit(self, request: BatchRequest, tokens: list[int], logprobs: list[float]) -> bool:
+        """Record new tokens; returns whether the request finished."""
+        request.tokens += tokens
+        request.logprobs += logprobs
+        if tokens and tokens[-1] in request.eos:
+            request.finish_reason = "stop"
+        elif len(request.tokens) >= request.max_new_tokens:
+            request.finish_reason = "length"
+        if tokens and request.on_tokens is not None and request.on_tokens(request, tokens) and not request.finished:
+            request.finish_reason = "abort"
+        return request.finished
+
+
+__all__ = ["BatchEngine", "BatchRequest"]

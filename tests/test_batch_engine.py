@@ -1,0 +1,104 @@
+"""The serving engine over `generate`'s machinery (`kvjax.serving.batch_engine`): ragged concurrent requests
+joining and leaving a decode batch give, request by request, the tokens `generate` gives for that prompt
+alone, under every policy role (compression after prefill, per-chunk eviction, page selection, decode-time
+eviction, composition), with sampling and a seed per request; pages all return to the pool."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvjax
+from _sharding_worker import prompts, tiny_model
+from kvjax.serving.batch_engine import BatchEngine
+from policy_cases import matrix_cases
+
+PAGE_SIZE, CAPACITY = 8, 128
+CASE_IDS = ["full", "quest", "snapkv", "ada_snapkv", "pyramid", "h2o", "tova", "streaming", "locret",
+            "compose-snapkv-quest", "compose-h2o-quest"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def cases(model):
+    return {case.id: case for case in matrix_cases(model.cfg, page_size=PAGE_SIZE)}
+
+
+# (prompt index, max_new_tokens, decode_last): five requests, ragged, through a batch of 2 rows, so rows
+# are reused and requests join while others decode
+REQUESTS = [(0, 9, 0), (1, 4, 3), (2, 12, 0), (3, 6, 2), (4, 7, 0)]
+
+
+def _alone(model, prompt, max_new, decode_last, policy, **sampling):
+    tokens, logprobs = kvjax.generate(
+        model, [prompt], max_new, policy, decode_last=decode_last, page_size=PAGE_SIZE, capacity=CAPACITY,
+        return_logprobs=True, eos_token_id=-1, **sampling)
+    keep = tokens[0] >= 0
+    return tokens[0][keep].tolist(), logprobs[0][keep]
+
+
+def _check_engine(model, policy, sampling=None, steps=4):
+    sampling = sampling or {}
+    rows = prompts(batch=5)
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, steps_per_dispatch=steps)
+    ids = [engine.submit(rows[i], n, policy, decode_last=d, eos_token_id=-1, seed=10 + i, **sampling)
+           for i, n, d in REQUESTS]
+    out = engine.run()
+    for rid, (i, n, d) in zip(ids, REQUESTS):
+        tokens, logprobs = _alone(model, rows[i], n, d, policy, seed=10 + i, **sampling)
+        assert out[rid].tokens == tokens, f"request {rid}"
+        np.testing.assert_allclose(out[rid].logprobs, logprobs, atol=2e-4)
+        assert out[rid].finish_reason == "length"
+    for batch in engine.batches.values():  # every page back on the free stack, every row empty
+        assert int(batch.state.num_free) == batch.state.num_pages
+        assert np.all(np.asarray(batch.state.page_table) == -1)
+    return engine
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_engine_equals_generate_per_request(model, cases, case_id):
+    engine = _check_engine(model, cases[case_id].policy)
+    assert engine.dispatches < sum(n for _, n, _ in REQUESTS)  # rows really shared dispatches
+
+
+@pytest.mark.parametrize("case_id", ["full", "h2o"])
+def test_sampled_requests_follow_their_own_seeds(model, cases, case_id):
+    _check_engine(model, cases[case_id].policy, dict(temperature=0.9, top_k=20, top_p=0.9))
+
+
+def test_requests_with_other_policies_or_sampling_get_their_own_batch(model, cases):
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE)
+    rows = prompts(batch=3)
+    engine.submit(rows[0], 5, cases["snapkv"].policy, eos_token_id=-1)
+    engine.submit(rows[1], 5, cases["quest"].policy, eos_token_id=-1)
+    engine.submit(rows[2], 5, cases["quest"].policy, eos_token_id=-1, temperature=0.5)
+    out = engine.run()
+    assert len(engine.batches) == 3 and all(len(r.tokens) == 5 for r in out.values())
+
+
+def test_stop_from_the_callback_and_eos_end_a_request(model):
+    rows = prompts(batch=2)
+    first = kvjax.generate(model, [rows[1]], 6, page_size=PAGE_SIZE, capacity=CAPACITY, eos_token_id=-1)[0]
+    stop_at = next(j for j in range(1, 6) if first[j] not in first[:j])  # its first occurrence ends the request
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, steps_per_dispatch=2)
+    eos_id = engine.submit(rows[1], 6, eos_token_id=int(first[stop_at]))
+    seen = []
+    abort_id = engine.submit(rows[0], 20, eos_token_id=-1, on_tokens=lambda r, t: seen.append(t) or len(r.tokens) >= 5)
+    out = engine.run()
+    assert out[eos_id].finish_reason == "stop" and out[eos_id].tokens == first[: stop_at + 1].tolist()
+    assert out[abort_id].finish_reason == "abort" and 5 <= len(out[abort_id].tokens) < 20
+    assert sum(len(t) for t in seen) == len(out[abort_id].tokens)
+
+
+def test_bad_requests_are_refused_by_name(model):
+    engine = BatchEngine(model, capacity=64, page_size=PAGE_SIZE)
+    with pytest.raises(ValueError, match="exceeds the engine's capacity"):
+        engine.submit(list(range(60)), 8)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.submit([1, 2, 3], 0)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.submit([1, 2, 3], 4, top_p=0.0)
