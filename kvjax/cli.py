@@ -140,11 +140,11 @@ def cmd_serve(args) -> int:
 
     enable_compilation_cache()
     policy = kvjax.make_policy(args.policy, **parse_policy_options(args.policy, args.policy_option))
-    model = kvjax.load_model(args.model, dtype=args.dtype)
+    model = kvjax.load_model(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
     name = args.served_name or args.model
     config = ServerConfig(name, policy, args.max_context or model.cfg.max_position_embeddings,
                           chunk_size=args.chunk_size, page_size=args.page_size,
-                          steps_per_dispatch=args.steps_per_dispatch)
+                          steps_per_dispatch=args.steps_per_dispatch, max_rows=args.max_rows)
     print(f"serving {name} ({args.policy}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve(model, config, args.host, args.port)
     return 0
@@ -209,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--page-size", type=int, default=16)
     srv.add_argument("--steps-per-dispatch", type=int, default=16, help="decode steps per device call (streaming granularity)")
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    srv.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "int8"],
+                     help="KV page dtype (default: --dtype); int8 keeps one float32 scale per slot")
+    srv.add_argument("--max-rows", type=int, default=4,
+                     help="requests decoded together per batch; each batch's pool holds this many full-context rows")
     srv.set_defaults(func=cmd_serve)
 
     train = sub.add_parser("train", help="train retaining heads (locret) or the shipped default model")

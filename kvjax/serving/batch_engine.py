@@ -11,8 +11,10 @@ the next request, so requests join and leave the batch between dispatches.
 
 Rows of one batch share what the compiled step takes as static: the policy, the sampling settings
 (temperature, top-k, top-p; each request keeps its own seed, one PRNG key per row) and the stop tokens.
-Requests that differ there go to different batches (`_Batch`, created on demand), served in turn. Each
-batch owns one page pool, sized for `max_rows` full-capacity rows by default. Tokens equal `generate`'s
+Requests that differ there go to different batches (`_Batch`, created on demand, dropped when their last
+row finishes), served in turn. Each batch owns one page pool, sized for `max_rows` full-capacity rows by
+default; when a batch is dropped every page must be back on its free stack (`leaked_pages` counts any
+that are not). Tokens equal `generate`'s
 for the same prompt, policy and seed (`tests/test_batch_engine.py`).
 
     engine = BatchEngine(model, max_rows=8, capacity=2048)
@@ -149,6 +151,7 @@ class BatchEngine:
         self._ids = itertools.count()
         self._turn = 0
         self.dispatches = 0
+        self.leaked_pages = 0
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -204,6 +207,14 @@ class BatchEngine:
             raise CacheCapacityError(
                 f"request {blocked.request.request_id} holds {pages_held(blocked.state)} pages, more than a batch "
                 "pool has: raise pool_pages", pages_held(blocked.state), 0)
+        self._drop_idle_batches()
+
+    def _drop_idle_batches(self) -> None:
+        """Free the pools of batches with no live row and no prefilled request waiting for them."""
+        wanted = {item.request.batch_key + (item.long_rope,) for item in self.ready}
+        for key in [k for k, b in self.batches.items() if not b.live and k not in wanted]:
+            state = self.batches.pop(key).state
+            self.leaked_pages += state.num_pages - int(state.num_free)
 
     def _prefill(self, request: BatchRequest) -> None:
         model, prompt, tail = self.model, request.prompt, request.decode_last

@@ -11,11 +11,11 @@ or an object `{"name": "quest", "token_budget": 256}`; the server's `--policy` o
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad field (named in
 `param`), for a prompt plus `max_tokens` past the server's context, or for a policy that does not build; 404
-for an unknown model. Requests wait in a first-come, first-served queue (a busy server queues, it does not
-refuse) and one worker thread runs them one at a time through `kvjax.generation` (`generate_rows`: chunked
-prefill, the policy's compression, the on-device decode loop), streaming each dispatch's tokens as text.
-What this server does not do yet: batch concurrent requests together (the continuous-batching engine of
-`kvjax.serving.engine` serves the full cache only).
+for an unknown model. One worker thread runs the continuous-batching engine
+(`kvjax.serving.batch_engine.BatchEngine`, `generate`'s prefill, step and decode loop): requests join a
+decode batch of `max_rows` rows as rows free up (a busy server queues, it does not refuse), leave it when
+done, and stream each dispatch's tokens as text. Requests with the same policy and sampling settings share
+a batch; each keeps its own seed.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvjax.generation import generate_rows
 from kvjax.loading import Model
 from kvjax.policies import Policy, make_policy
 from kvjax.policies.options import parse_policy_options
@@ -95,7 +94,8 @@ class ChatBody(_Sampling):
 
 @dataclass(eq=False)
 class Job:
-    """One request in the queue: what to generate and where its text goes (`emit`, from the worker thread)."""
+    """One request: what to generate and where its text goes (`emit`, from the worker thread), and the
+    state of its text stream (token ids so far, text sent, the finish reason a stop string set)."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -107,14 +107,30 @@ class Job:
     stop: tuple[str, ...]
     emit: Any  # callable(kind, payload), thread-safe
     cancelled: threading.Event = field(default_factory=threading.Event)
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: str = ""  # text already sent: always a prefix of the final text
+    stopped_by_string: bool = False
+
+    def flush(self, upto: int) -> None:
+        if upto > len(self.sent):
+            self.emit("delta", self.text[len(self.sent):upto])
+            self.sent = self.text[:upto]
 
 
 class Worker:
-    """Runs queued jobs one at a time on one thread (JAX sees a single caller), first come, first served."""
+    """Runs the engine on one thread (JAX sees a single caller): takes queued jobs first come, first
+    served, submits them, steps the engine while it has work, and streams each job's text."""
 
-    def __init__(self, model: Model, chunk_size: int, page_size: int, steps_per_dispatch: int):
-        self.model, self.chunk_size, self.page_size, self.steps = model, chunk_size, page_size, steps_per_dispatch
+    def __init__(self, model: Model, chunk_size: int, page_size: int, steps_per_dispatch: int, max_rows: int = 4,
+                 capacity: int = 2048):
+        from kvjax.serving.batch_engine import BatchEngine
+
+        self.model = model
+        self.engine = BatchEngine(model, max_rows=max_rows, capacity=capacity, page_size=page_size,
+                                  chunk_size=chunk_size, steps_per_dispatch=steps_per_dispatch)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.running: dict[str, Job] = {}
         self.thread = threading.Thread(target=self._loop, name="kvjax-serve", daemon=True)
         self.thread.start()
 
@@ -126,51 +142,68 @@ class Worker:
         self.thread.join(timeout=30)
 
     def _loop(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if job.cancelled.is_set():
+        while True:
+            try:  # wait for work only when the engine has none
+                job = self.jobs.get(block=not self.engine.has_work)
+                while True:
+                    if job is None:
+                        return
+                    self._start(job)
+                    job = self.jobs.get_nowait()
+            except queue.Empty:
+                pass
+            if not self.engine.has_work:
                 continue
             try:
-                self._run(job)
-            except Exception as error:  # reported to the request, the server goes on
-                job.emit("error", APIError(500, f"generation failed: {type(error).__name__}: {error}", kind="server_error"))
+                self.engine.step()
+            except Exception as error:  # reported to every running request; the server goes on with a new engine
+                failure = APIError(500, f"generation failed: {type(error).__name__}: {error}", kind="server_error")
+                for job in self.running.values():
+                    job.emit("error", failure)
+                self.running.clear()
+                self.engine = type(self.engine)(self.model, max_rows=self.engine.max_rows,
+                                                capacity=self.engine.capacity, page_size=self.engine.page_size,
+                                                chunk_size=self.engine.chunk_size,
+                                                steps_per_dispatch=self.engine.steps)
+                continue
+            for rid in [rid for rid, job in self.running.items() if self.engine.requests[rid].finished]:
+                self._finish(rid)
 
-    def _run(self, job: Job) -> None:
+    def _start(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            return
+        try:
+            rid = self.engine.submit(
+                np.asarray(job.prompt_ids, np.int32), job.max_tokens, job.policy, temperature=job.temperature,
+                top_k=job.top_k, top_p=job.top_p, seed=job.seed, on_tokens=self._on_tokens_of(job),
+            )
+        except ValueError as error:
+            job.emit("error", APIError(400, str(error)))
+            return
+        self.running[rid] = job
+
+    def _on_tokens_of(self, job: Job):
         tokenizer = self.model.tokenizer
-        ids: list[int] = []
-        sent = ""  # text already sent: always a prefix of the final text
-        finish = "length"
         hold = max((len(s) for s in job.stop), default=1) - 1  # a stop string may still be forming
-        text = ""
 
-        def flush(upto: int) -> None:
-            nonlocal sent
-            if upto > len(sent):
-                job.emit("delta", text[len(sent):upto])
-                sent = text[:upto]
-
-        def on_tokens(t: int, tokens: np.ndarray) -> bool:
-            nonlocal text, finish
-            row = tokens[0]
-            ids.extend(int(x) for x in row if x >= 0)
-            if np.isin(row, self.model.eos_token_ids).any():
-                finish = "stop"
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            hit = min((i for i in (text.find(s) for s in job.stop) if i >= 0), default=-1)
+        def on_tokens(request, tokens: list[int]) -> bool:
+            job.ids.extend(tokens)
+            job.text = tokenizer.decode(job.ids, skip_special_tokens=True)
+            hit = min((i for i in (job.text.find(s) for s in job.stop) if i >= 0), default=-1)
             if hit >= 0:
-                text, finish = text[:hit], "stop"
+                job.text, job.stopped_by_string = job.text[:hit], True
                 return True
             # hold back the characters a stop string could start with, and a character split across tokens
-            flush(len(text.rstrip("\ufffd")) - hold)
+            job.flush(len(job.text.rstrip("\ufffd")) - hold)
             return job.cancelled.is_set()
 
-        generate_rows(
-            self.model, [np.asarray(job.prompt_ids, np.int32)], job.max_tokens, job.policy, decode_last=0,
-            temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.seed, page_size=self.page_size,
-            capacity=None, chunk_size=self.chunk_size, eos_token_id=None, return_logprobs=False,
-            steps_per_dispatch=self.steps, on_tokens=on_tokens,
-        )
-        flush(len(text))
-        job.emit("done", {"finish_reason": finish, "completion_tokens": len(ids)})
+        return on_tokens
+
+    def _finish(self, rid: str) -> None:
+        job, request = self.running.pop(rid), self.engine.requests.pop(rid)
+        job.flush(len(job.text))
+        finish = "stop" if job.stopped_by_string or request.finish_reason == "stop" else "length"
+        job.emit("done", {"finish_reason": finish, "completion_tokens": len(job.ids)})
 
 
 # ---------------------------------------------------------------------------------------------- the app
@@ -205,6 +238,7 @@ class ServerConfig:
     chunk_size: int = 512
     page_size: int = 16
     steps_per_dispatch: int = 16
+    max_rows: int = 4  # rows of a decode batch: requests served together
 
 
 def create_app(model: Model, config: ServerConfig) -> FastAPI:
@@ -212,7 +246,8 @@ def create_app(model: Model, config: ServerConfig) -> FastAPI:
     if model.tokenizer is None:
         raise ValueError("kvjax serve needs a model with a tokenizer")
     app = FastAPI(title="kvjax", description="OpenAI-compatible completions over kvjax's compressed KV caches")
-    worker = Worker(model, config.chunk_size, config.page_size, config.steps_per_dispatch)
+    worker = Worker(model, config.chunk_size, config.page_size, config.steps_per_dispatch, config.max_rows,
+                    config.max_context)
     app.state.worker = worker
     created = int(time.time())
 
@@ -230,7 +265,7 @@ def create_app(model: Model, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": config.model_name, "queued": worker.jobs.qsize()}
+        return {"status": "ok", "model": config.model_name, "queued": worker.jobs.qsize(), "running": len(worker.running)}
 
     @app.get("/v1/models")
     async def models():
