@@ -69,7 +69,7 @@ def test_sampled_requests_follow_their_own_seeds(model, cases, case_id):
 
 
 def test_requests_with_other_policies_or_sampling_get_their_own_batch(model, cases):
-    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE)
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, steps_per_dispatch=2)
     rows = prompts(batch=3)
     engine.submit(rows[0], 5, cases["snapkv"].policy, eos_token_id=-1)
     engine.submit(rows[1], 5, cases["quest"].policy, eos_token_id=-1)
