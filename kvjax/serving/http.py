@@ -71,6 +71,7 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: dict[str, Any] | None = None  # {"include_usage": true}: a last chunk with usage
     n: int = Field(default=1, ge=1, le=1)
     kv_policy: str | dict[str, Any] | None = None
 
@@ -360,6 +361,10 @@ def create_app(model: Model, config: ServerConfig) -> FastAPI:
                         yield chunk(payload, None)
                         continue
                     yield chunk(None, payload["finish_reason"])
+                    if (body.stream_options or {}).get("include_usage"):  # OpenAI's usage chunk: no choices
+                        yield "data: " + json.dumps({"id": rid, "object": chunk_name, "created": int(time.time()),
+                                                     "model": config.model_name, "choices": [],
+                                                     "usage": usage(payload["completion_tokens"])}) + "\n\n"
                     yield "data: [DONE]\n\n"
                     return
             finally:

@@ -1,0 +1,211 @@
+"""`kvjax serve` under load: a bounded number of concurrent `openai` clients replay a seeded trace against the
+server on 127.0.0.1, and the same requests run through `generate` one at a time in the same run.
+
+The trace: `--requests` completions whose prompts (token ids) mix lengths between `--prompt-min` and
+`--prompt-max`, half of them starting with one of a few shared prefixes, and ask for between
+`--output-min` and `--output-max` tokens; `--concurrency` clients send them (streaming, greedy, the
+server's policy or `--policy`). Measured: completion tokens per second over the whole run, time to first
+token and inter-token latency (per request: (last chunk - first chunk) / (tokens - 1)) at p50 and p99,
+requests lost (an error, or no finish reason: must be 0), pages leaked by the engine (must be 0); and
+`generate` on each request alone, back to back, for the tokens-per-second ratio.
+
+    python -m eval.bench_load --model tiny                     # ./kvjax-results/load/bench_load_tiny.*
+    python -m eval.bench_load --model smollm2-135m --requests 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ._report import default_out, machine_info, markdown_table, write_outputs
+
+
+def make_trace(args, vocab: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, max_tokens) per request, seeded."""
+    rng = np.random.default_rng(args.seed)
+    low = 3  # above the special tokens of the shipped tokenizers
+    prefixes = [rng.integers(low, vocab, size=int(rng.integers(args.prompt_min, args.prompt_max + 1)) // 2).tolist()
+                for _ in range(3)]
+    trace = []
+    for i in range(args.requests):
+        n = int(rng.integers(args.prompt_min, args.prompt_max + 1))
+        head = prefixes[i % 3][: n // 2] if i % 2 == 0 else []
+        prompt = head + rng.integers(low, vocab, size=n - len(head)).tolist()
+        trace.append((prompt, int(rng.integers(args.output_min, args.output_max + 1))))
+    return trace
+
+
+def start_server(model, args):
+    import kvjax
+    import uvicorn
+
+    from kvjax.serving.http import ServerConfig, create_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    policy = kvjax.make_policy(args.policy, **dict(args.policy_options))
+    config = ServerConfig(args.model, policy, max_context=args.capacity, steps_per_dispatch=args.steps_per_dispatch,
+                          max_rows=args.max_rows)
+    app = create_app(model, config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    if not server.started:
+        raise RuntimeError("the server did not start within 60 s")
+    return app, server, thread, f"http://127.0.0.1:{port}/v1"
+
+
+def ask(client, model_name: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion; times of the request, its first and last content chunks, and its usage."""
+    start = time.perf_counter()
+    first = last = None
+    tokens, finish, error = 0, None, None
+    try:
+        stream = client.completions.create(model=model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices:
+                if chunk.choices[0].text:
+                    first = first or now
+                    last = now
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+    except Exception as exc:  # counted as lost
+        error = f"{type(exc).__name__}: {exc}"
+    return {"start": start, "first": first, "last": last, "tokens": tokens, "finish": finish, "error": error}
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p99": None}
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+
+
+def run_load(model, trace, args) -> dict:
+    import openai
+
+    app, server, thread, base_url = start_server(model, args)
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=args.timeout)
+    try:
+        ask(client, args.model, trace[0][0], 2)  # compile the common programs before the clock starts
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            results = list(pool.map(lambda r: ask(client, args.model, *r), trace))
+        wall = time.perf_counter() - start
+        engine = app.state.worker.engine
+        leaked = engine.leaked_pages + sum(b.state.num_pages - int(b.state.num_free) for b in engine.batches.values())
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        app.state.worker.close()
+    done = [r for r in results if r["error"] is None and r["finish"] is not None]
+    ttft = [r["first"] - r["start"] for r in done if r["first"] is not None]
+    itl = [(r["last"] - r["first"]) / (r["tokens"] - 1) for r in done if r["first"] is not None and r["tokens"] > 1]
+    tokens = sum(r["tokens"] for r in done)
+    return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
+            "requests": len(trace), "lost": len(trace) - len(done), "errors": [r["error"] for r in results if r["error"]],
+            "pages_leaked": int(leaked), "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
+            "dispatches": engine.dispatches}
+
+
+def run_sequential(model, trace, args) -> dict:
+    """`generate` on each request alone, one after another (same policy, greedy, the model's EOS)."""
+    import kvjax
+
+    policy = kvjax.make_policy(args.policy, **dict(args.policy_options))
+    kvjax.generate(model, [trace[0][0]], 2, policy, steps_per_dispatch=args.steps_per_dispatch)  # warm
+    start = time.perf_counter()
+    tokens = 0
+    for prompt, max_tokens in trace:
+        out = kvjax.generate(model, [prompt], max_tokens, policy, steps_per_dispatch=args.steps_per_dispatch)
+        tokens += int((out[0] >= 0).sum())
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall}
+
+
+def plot(payload: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    load, seq = payload["server"], payload["generate_one_at_a_time"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    a.bar(["server, batched", "generate, one at a time"], [load["tokens_per_s"], seq["tokens_per_s"]])
+    a.set_ylabel("completion tokens/s")
+    for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s")):
+        b.bar([f"{name} p50", f"{name} p99"], [load[key]["p50"] or 0, load[key]["p99"] or 0])
+    b.set_ylabel("seconds")
+    b.set_yscale("log")
+    fig.suptitle(f"kvjax serve, {payload['model']}, {payload['concurrency']} clients, policy {payload['policy']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--policy", default="full")
+    parser.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-rows", type=int, default=4)
+    parser.add_argument("--capacity", type=int, default=1024)
+    parser.add_argument("--steps-per-dispatch", type=int, default=8)
+    parser.add_argument("--prompt-min", type=int, default=32)
+    parser.add_argument("--prompt-max", type=int, default=512)
+    parser.add_argument("--output-min", type=int, default=8)
+    parser.add_argument("--output-max", type=int, default=64)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=default_out("load"))
+    args = parser.parse_args(argv)
+
+    import kvjax
+    from kvjax.policies.options import parse_policy_options
+
+    args.policy_options = tuple(parse_policy_options(args.policy, args.policy_option).items())
+    model = kvjax.load_model(args.model)
+    trace = make_trace(args, model.cfg.vocab_size)
+    load = run_load(model, trace, args)
+    sequential = run_sequential(model, trace, args)
+    payload = {"benchmark": "bench_load", "machine": machine_info(), "model": args.model, "policy": args.policy,
+               "policy_options": dict(args.policy_options), "concurrency": args.concurrency, "max_rows": args.max_rows,
+               "trace": {"requests": args.requests, "prompt_tokens": [args.prompt_min, args.prompt_max],
+                         "output_tokens": [args.output_min, args.output_max], "seed": args.seed},
+               "server": load, "generate_one_at_a_time": sequential,
+               "throughput_ratio": load["tokens_per_s"] / sequential["tokens_per_s"]}
+    ms = lambda x: "" if x is None else f"{1000 * x:.0f}"  # noqa: E731
+    table = markdown_table(
+        ["model", "policy", "clients", "requests", "lost", "pages leaked", "tok/s served", "tok/s generate 1-by-1",
+         "ratio", "TTFT p50 / p99 ms", "ITL p50 / p99 ms"],
+        [[args.model, args.policy, args.concurrency, args.requests, load["lost"], load["pages_leaked"],
+          load["tokens_per_s"], sequential["tokens_per_s"], f"{payload['throughput_ratio']:.2f}x",
+          f"{ms(load['ttft_s']['p50'])} / {ms(load['ttft_s']['p99'])}",
+          f"{ms(load['itl_s']['p50'])} / {ms(load['itl_s']['p99'])}"]],
+    ) + (f"\n{payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores; prompts "
+         f"{args.prompt_min}-{args.prompt_max} tokens, outputs up to {args.output_min}-{args.output_max}, greedy; "
+         f"max_rows {args.max_rows}, {args.steps_per_dispatch} steps per dispatch.\n")
+    name = f"bench_load_{args.model.replace('-', '_')}"
+    paths = write_outputs(args.out, name, payload, table)
+    plot(payload, paths["json"].replace(".json", ".png"))
+    print(table)
+    if load["lost"] or load["pages_leaked"]:
+        raise SystemExit(f"{load['lost']} requests lost, {load['pages_leaked']} pages leaked: {load['errors'][:3]}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
