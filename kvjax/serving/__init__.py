@@ -1,9 +1,11 @@
 """Serving-side memory management (Jenga): layer-group specs, a two-level page allocator for
 heterogeneous KV caches, prefix caching aligned across group types, typed jnp views of the pool, and a
-continuous-batching engine that serves a model over them.
+continuous-batching engine that serves a model over them (full attention and sliding windows); and the
+batch engine (`batch_engine.BatchEngine`) that serves every policy with `generate`'s own prefill, step
+and decode loop.
 
 Host-side modules (specs, layout, hashing, page_pool, prefix_cache, allocator, model_groups) are pure
-Python; `views`, `paged_step` and `engine` import jax and are loaded on first use.
+Python; `views`, `paged_step`, `engine` and `batch_engine` import jax and are loaded on first use.
 """
 
 from kvjax.serving.allocator import (
@@ -34,6 +36,7 @@ _VIEW_NAMES = (
     "make_pool", "typed_view", "reinterpret_pages", "read_typed_pages", "write_typed_pages", "apply_page_copies",
 )
 _ENGINE_NAMES = ("Engine", "EngineMetrics", "RequestOutput")
+_BATCH_ENGINE_NAMES = ("BatchEngine", "BatchRequest")
 
 
 def __getattr__(name: str):
@@ -45,6 +48,10 @@ def __getattr__(name: str):
         from kvjax.serving import engine
 
         return getattr(engine, name)
+    if name in _BATCH_ENGINE_NAMES:
+        from kvjax.serving import batch_engine
+
+        return getattr(batch_engine, name)
     raise AttributeError(f"module 'kvjax.serving' has no attribute {name!r}")
 
 
@@ -76,4 +83,5 @@ __all__ = [
     "longest_common_hit",
     *_VIEW_NAMES,
     *_ENGINE_NAMES,
+    *_BATCH_ENGINE_NAMES,
 ]
