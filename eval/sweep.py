@@ -261,6 +261,12 @@ def plot(result: dict, path: str) -> str:
     return path
 
 
+def jnp_name(dtype) -> str:
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype).name
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny")
@@ -278,6 +284,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-latency", action="store_true")
     parser.add_argument("--question-in-prefill", action="store_true",
                         help="prefill the question with the context (SnapKV's setting) instead of feeding it by decode")
+    parser.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "int8"],
+                        help="KV page dtype (default: the model's dtype)")
     parser.add_argument("--out", default=default_out("sweep"))
     parser.add_argument("--name", default="sweep")
     args = parser.parse_args(argv)
@@ -287,12 +295,13 @@ def main(argv=None) -> int:
 
     enable_compilation_cache()
     os.makedirs(args.out, exist_ok=True)
-    model = kvjax.load_model(args.model)
+    model = kvjax.load_model(args.model, kv_dtype=args.kv_dtype)
     result = run_sweep(model, args.policies, args.budgets, args.lengths, args.tasks, args.samples, args.records,
                        args.seed, args.dense_layers, batch_size=args.batch_size, latency=not args.no_latency,
                        checkpoint=f"{args.out}/{args.name}.batches.jsonl", max_batches=args.max_batches,
                        question_in_prefill=args.question_in_prefill)
     result["model"] = args.model
+    result["kv_dtype"] = jnp_name(model.cache_dtype)
     table = accuracy_table(result)
     paths = write_outputs(args.out, args.name, result, table)
     paths["png"] = plot(result, f"{args.out}/{args.name}.png")

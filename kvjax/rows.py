@@ -29,20 +29,21 @@ def pages_held(state: KVState, row: int = 0) -> int:
 
 @functools.partial(jax.jit, donate_argnames=("batch",))
 def insert_row(batch: KVState, row: KVState, slot: jax.Array) -> KVState:
-    """Copy sequence 0 of `row` (a one-sequence state of the same model, page size, page-table width and
-    page dtype) into row `slot` (int32[], a row holding no pages) of `batch`, on pages taken from `batch`'s
+    """Copy sequence 0 of `row` (a one-sequence state of the same model, page size and page dtype, whose page
+    table is no wider than `batch`'s) into row `slot` (int32[], a row holding no pages) of `batch`, on pages
+    taken from `batch`'s
     free stack: K/V (and scales), min/max, positions, scores, lengths, the eviction hole and the next
     position. When the pool has too few free pages nothing is copied and `overflow` records it (check
     `pages_held(row)` against `batch.num_free` first). Donates `batch`."""
     N = batch.num_pages
-    L, _, H, P = row.page_table.shape
-    bL, _, bH, bP = batch.page_table.shape
-    if (bL, bH, bP) != (L, H, P) or batch.page_size != row.page_size:
+    L, _, H, Pr = row.page_table.shape
+    bL, _, bH, P = batch.page_table.shape
+    if (bL, bH) != (L, H) or Pr > P or batch.page_size != row.page_size:
         raise ValueError(f"a row of page table {row.page_table.shape} and page size {row.page_size} does not fit a "
                          f"batch of {batch.page_table.shape} and page size {batch.page_size}")
     if batch.k_pages.dtype != row.k_pages.dtype:
         raise ValueError(f"row pages are {row.k_pages.dtype}, the batch's {batch.k_pages.dtype}")
-    table = row.page_table[:, 0].reshape(-1)  # [L*H*P]
+    table = jnp.pad(row.page_table[:, 0], ((0, 0), (0, 0), (0, P - Pr)), constant_values=-1).reshape(-1)  # [L*H*P]
     held = table >= 0
     need = jnp.sum(held)
     ok = need <= batch.num_free

@@ -169,3 +169,20 @@ def test_cacheclip_recomputes_the_budget_with_any_aux(llama):
     ctx = assemble(llama, store, prefix, chunks, query)
     chosen = cacheclip_prefill(llama, ctx, AuxScorer.truncated(llama, 1), ratio=0.5, grouping=False).recomputed
     assert len(chosen) == 36 and np.all(np.isin(chosen, ctx.chunk_slots))
+
+
+def test_an_assembled_rag_request_is_served_by_the_batch_engine(llama):
+    """CacheClip's assembled state continues as an ordinary request of the serving engine, beside a prompt
+    request: the same greedy tokens as `greedy_continue` (generate's decode loop) on that state."""
+    from kvjax.rag import greedy_continue
+    from kvjax.serving import BatchEngine
+
+    prefix, chunks, query = request(8)
+    expected = greedy_continue(llama, rag_prefill(llama, ChunkStore(llama), prefix, chunks, query, "cacheclip"), 6)
+    result = rag_prefill(llama, ChunkStore(llama), prefix, chunks, query, "cacheclip")
+    engine = BatchEngine(llama, max_rows=2, capacity=512, steps_per_dispatch=2)
+    other = engine.submit(np.concatenate([prefix, query]), 5, eos_token_id=-1)
+    rag = engine.submit_prefilled(result.state, result.logits, 6, eos_token_id=-1)
+    out = engine.run()
+    assert out[rag].tokens == expected.tolist() and len(out[other].tokens) == 5
+    assert engine.leaked_pages == 0

@@ -4,7 +4,7 @@ See docs/cacheclip.md. Typical use:
 
     store = ChunkStore(model)                                   # pre-RoPE chunk caches keyed by content hash
     result = rag_prefill(model, store, prefix, chunks, query, "cacheclip", ratio=0.2)
-    tokens = greedy_continue(model, result, 8)                  # or kvjax.decode_step on result.state
+    tokens = greedy_continue(model, result, 8)                  # or BatchEngine.submit_prefilled(result.state, ...)
 """
 
 from kvjax.rag.assemble import AssembledContext, assemble

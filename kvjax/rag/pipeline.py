@@ -6,8 +6,9 @@ from typing import Sequence
 
 import numpy as np
 
-from kvjax.generation import decode_step
+from kvjax.generation import continue_rows
 from kvjax.loading import Model
+from kvjax.policies import FullPolicy
 from kvjax.rag.assemble import assemble
 from kvjax.rag.baselines import cacheblend_prefill, direct_reuse, full_prefill
 from kvjax.rag.prefill import RagPrefill, recompute
@@ -67,12 +68,9 @@ def rag_prefill(
 
 
 def greedy_continue(model: Model, prefilled: RagPrefill, max_new_tokens: int) -> np.ndarray:
-    """Greedy tokens `int32[max_new_tokens]` decoded from a prefilled request with `kvjax.decode_step`."""
-    logits, state = prefilled.logits, prefilled.state
-    out = []
-    for step in range(max_new_tokens):
-        token = np.asarray(logits).argmax(-1).astype(np.int32)
-        out.append(int(token[0]))
-        if step + 1 < max_new_tokens:
-            logits, state = decode_step(model, state, token)
-    return np.asarray(out, np.int32)
+    """Greedy tokens `int32[max_new_tokens]` decoded from a prefilled request by `generate`'s decode loop
+    (`kvjax.generation.continue_rows`, full cache, no stop token). To serve it among other requests, hand
+    `prefilled.state` and `prefilled.logits` to `kvjax.serving.BatchEngine.submit_prefilled`."""
+    tokens = continue_rows(model, prefilled.state, prefilled.logits, [np.zeros(0, np.int32)], max_new_tokens,
+                           FullPolicy(), eos_token_id=-1)
+    return tokens[0]

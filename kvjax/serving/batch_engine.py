@@ -180,6 +180,29 @@ class BatchEngine:
         self.waiting.append(request)
         return request_id
 
+    def submit_prefilled(self, state: KVState, logits, max_new_tokens: int = 16, policy: Policy | None = None, *,
+                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                         eos_token_id=None, on_tokens: Callable | None = None, request_id: str | None = None) -> str:
+        """Queue a request whose cache is already built: a one-sequence `state` (for example CacheClip's
+        assembled and recomputed RAG context, `kvjax.rag.rag_prefill(...).state`) and its last `logits
+        f32[1, V]`. It continues as an ordinary request: first token sampled from `logits`, then decoded in
+        a batch with `policy`'s decode-time roles (default full). Its page table may be narrower than the
+        engine's capacity, not wider."""
+        if state.page_table.shape[1] != 1:
+            raise ValueError(f"submit_prefilled takes a one-sequence state, got {state.page_table.shape[1]} sequences")
+        if state.page_size != self.page_size or state.max_pages > pages_for(self.capacity, self.page_size):
+            raise ValueError(f"the state's page size {state.page_size} and {state.max_pages} pages per head must "
+                             f"fit the engine's {self.page_size} and {pages_for(self.capacity, self.page_size)}")
+        validate_sampling(temperature, top_k, top_p)
+        eos = self.model.eos_token_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
+        request_id = request_id or f"req-{next(self._ids)}"
+        request = BatchRequest(request_id, np.zeros(0, np.int32), max_new_tokens, policy_or_full(policy),
+                               float(temperature), int(top_k), float(top_p), int(seed), tuple(int(e) for e in eos),
+                               0, on_tokens)
+        self.requests[request_id] = request
+        self._sample_first(request, state, jnp.asarray(logits, jnp.float32).reshape(1, -1), state.long_rope)
+        return request_id
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.ready or any(b.live for b in self.batches.values()))
@@ -224,13 +247,18 @@ class BatchEngine:
             declared, request.max_new_tokens + tail,
         )
         state, logits = feed_tokens(model, state, logits, [prompt[len(prompt) - tail:]], request.policy)
+        self._sample_first(request, state, logits, uses_long_factors(model.cfg, declared))
+
+    def _sample_first(self, request: BatchRequest, state: KVState, logits: jax.Array, long_rope: bool) -> None:
+        """The first token from the prefill's logits (as `generate` samples it); the request then waits for a
+        row unless that token ended it."""
         key, step_key = jax.random.split(jax.random.PRNGKey(request.seed))
         token, logprob = sample_first_tokens(logits, step_key, temperature=request.temperature, top_k=request.top_k,
                                              top_p=request.top_p)
         first = int(token[0])
         if self._emit(request, [first], [float(logprob[0])]):
             return
-        self.ready.append(_Prefilled(request, state, logits, first, key, uses_long_factors(model.cfg, declared)))
+        self.ready.append(_Prefilled(request, state, logits, first, key, long_rope))
 
     def _insert_ready(self) -> None:
         still = deque()
