@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import kvjax
-from _sharding_worker import prompts, tiny_model
+from _sharding_worker import VOCAB, tiny_model
 from kvjax.serving.batch_engine import BatchEngine
 from policy_cases import matrix_cases
 
-PAGE_SIZE, CAPACITY = 8, 128
+PAGE_SIZE, CAPACITY, CHUNK = 8, 128, 32  # one chunk size for every prompt: one prefill program per policy
 CASE_IDS = ["full", "quest", "snapkv", "ada_snapkv", "pyramid", "h2o", "tova", "streaming", "locret",
             "compose-snapkv-quest", "compose-h2o-quest"]
 
@@ -33,10 +33,17 @@ def cases(model):
 REQUESTS = [(0, 9, 0), (1, 4, 3), (2, 12, 0), (3, 6, 2), (4, 7, 0)]
 
 
+def prompts(batch: int) -> list[list[int]]:
+    """Ragged prompts all longer than the policies' budget (32) after their decode tail: every request keeps
+    the same number of slots, so each policy compiles one compression."""
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, VOCAB, size=n).tolist() for n in [44, 38, 47, 41, 36][:batch]]
+
+
 def _alone(model, prompt, max_new, decode_last, policy, **sampling):
     tokens, logprobs = kvjax.generate(
         model, [prompt], max_new, policy, decode_last=decode_last, page_size=PAGE_SIZE, capacity=CAPACITY,
-        return_logprobs=True, eos_token_id=-1, **sampling)
+        chunk_size=CHUNK, return_logprobs=True, eos_token_id=-1, **sampling)
     keep = tokens[0] >= 0
     return tokens[0][keep].tolist(), logprobs[0][keep]
 
@@ -44,7 +51,8 @@ def _alone(model, prompt, max_new, decode_last, policy, **sampling):
 def _check_engine(model, policy, sampling=None, steps=4):
     sampling = sampling or {}
     rows = prompts(batch=5)
-    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, steps_per_dispatch=steps)
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=CHUNK,
+                         steps_per_dispatch=steps)
     ids = [engine.submit(rows[i], n, policy, decode_last=d, eos_token_id=-1, seed=10 + i, **sampling)
            for i, n, d in REQUESTS]
     out = engine.run()
