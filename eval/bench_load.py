@@ -7,7 +7,8 @@ The trace: `--requests` completions whose prompts (token ids) mix lengths betwee
 server's policy or `--policy`). Measured: completion tokens per second over the whole run, time to first
 token and inter-token latency (per request: (last chunk - first chunk) / (tokens - 1)) at p50 and p99,
 requests lost (an error, or no finish reason: must be 0), pages leaked by the engine (must be 0); and
-`generate` on each request alone, back to back, for the tokens-per-second ratio.
+`generate` on each request alone, back to back, for the tokens-per-second ratio. Both sides replay the
+trace once untimed first, so every program is compiled before the clock starts.
 
     python -m eval.bench_load --model tiny                     # ./kvjax-results/load/bench_load_tiny.*
     python -m eval.bench_load --model smollm2-135m --requests 16
@@ -16,8 +17,6 @@ requests lost (an error, or no finish reason: must be 0), pages leaked by the en
 from __future__ import annotations
 
 import argparse
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,26 +42,12 @@ def make_trace(args, vocab: int) -> list[tuple[list[int], int]]:
 
 def start_server(model, args):
     import kvjax
-    import uvicorn
+    from kvjax.serving.http import ServerConfig, serve_in_background
 
-    from kvjax.serving.http import ServerConfig, create_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     policy = kvjax.make_policy(args.policy, **dict(args.policy_options))
     config = ServerConfig(args.model, policy, max_context=args.capacity, steps_per_dispatch=args.steps_per_dispatch,
                           max_rows=args.max_rows)
-    app = create_app(model, config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    if not server.started:
-        raise RuntimeError("the server did not start within 60 s")
-    return app, server, thread, f"http://127.0.0.1:{port}/v1"
+    return serve_in_background(model, config)
 
 
 def ask(client, model_name: str, prompt: list[int], max_tokens: int) -> dict:
@@ -96,20 +81,20 @@ def percentiles(values: list[float]) -> dict:
 def run_load(model, trace, args) -> dict:
     import openai
 
-    app, server, thread, base_url = start_server(model, args)
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=args.timeout)
+    server = start_server(model, args)
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=args.timeout)
     try:
-        ask(client, args.model, trace[0][0], 2)  # compile the common programs before the clock starts
+        with ThreadPoolExecutor(args.concurrency) as pool:  # the same trace once, untimed: compiles every shape
+            list(pool.map(lambda r: ask(client, args.model, *r), trace))
+        dispatches_before = server.app.state.worker.engine.dispatches
         start = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
             results = list(pool.map(lambda r: ask(client, args.model, *r), trace))
         wall = time.perf_counter() - start
-        engine = app.state.worker.engine
+        engine = server.app.state.worker.engine
         leaked = engine.leaked_pages + sum(b.state.num_pages - int(b.state.num_free) for b in engine.batches.values())
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        app.state.worker.close()
+        server.stop()
     done = [r for r in results if r["error"] is None and r["finish"] is not None]
     ttft = [r["first"] - r["start"] for r in done if r["first"] is not None]
     itl = [(r["last"] - r["first"]) / (r["tokens"] - 1) for r in done if r["first"] is not None and r["tokens"] > 1]
@@ -117,7 +102,7 @@ def run_load(model, trace, args) -> dict:
     return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
             "requests": len(trace), "lost": len(trace) - len(done), "errors": [r["error"] for r in results if r["error"]],
             "pages_leaked": int(leaked), "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
-            "dispatches": engine.dispatches}
+            "dispatches": engine.dispatches - dispatches_before}
 
 
 def run_sequential(model, trace, args) -> dict:
@@ -125,7 +110,8 @@ def run_sequential(model, trace, args) -> dict:
     import kvjax
 
     policy = kvjax.make_policy(args.policy, **dict(args.policy_options))
-    kvjax.generate(model, [trace[0][0]], 2, policy, steps_per_dispatch=args.steps_per_dispatch)  # warm
+    for prompt, max_tokens in trace:  # untimed pass: compiles every shape, as the server's
+        kvjax.generate(model, [prompt], max_tokens, policy, steps_per_dispatch=args.steps_per_dispatch)
     start = time.perf_counter()
     tokens = 0
     for prompt, max_tokens in trace:

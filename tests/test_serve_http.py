@@ -6,9 +6,7 @@ answers are compared with `kvjax.generate` on the same tokens and policy.
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -16,8 +14,8 @@ import pytest
 import kvjax
 
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
-from kvjax.serving.http import ServerConfig, create_app  # noqa: E402
+pytest.importorskip("uvicorn")
+from kvjax.serving.http import ServerConfig, serve_in_background  # noqa: E402
 
 NAME = "tiny"
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -31,22 +29,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(model):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     model.tokenizer.chat_template = CHAT_TEMPLATE  # the tiny model's tokenizer has none
-    app = create_app(model, ServerConfig(NAME, kvjax.make_policy("full"), max_context=1024, steps_per_dispatch=4))
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert uv.started, "the server did not start"
-    yield f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(timeout=10)
-    app.state.worker.close()
+    running = serve_in_background(model, ServerConfig(NAME, kvjax.make_policy("full"), max_context=1024,
+                                                      steps_per_dispatch=4))
+    yield running.url.removesuffix("/v1")
+    running.stop()
     model.tokenizer.chat_template = None
 
 

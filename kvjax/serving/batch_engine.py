@@ -216,11 +216,12 @@ class BatchEngine:
     # ------------------------------------------------------------------------------------------ one step
 
     def step(self) -> None:
-        """Admit what fits (prefill one waiting request, insert prefilled ones into free rows), then run one
-        dispatch of one live batch (batches take turns)."""
-        if self.waiting:
-            self._prefill(self.waiting.popleft())
+        """Admit what fits (prefill waiting requests one by one and insert each into a free row, until one
+        finds no row or pages), then run one dispatch of one live batch (batches take turns)."""
         self._insert_ready()
+        while self.waiting and not self.ready:
+            self._prefill(self.waiting.popleft())
+            self._insert_ready()
         live = [b for b in self.batches.values() if b.live]
         if live:
             self._dispatch(live[self._turn % len(live)])

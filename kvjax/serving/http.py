@@ -385,6 +385,45 @@ def create_app(model: Model, config: ServerConfig) -> FastAPI:
     return app
 
 
+@dataclass
+class BackgroundServer:
+    """A server running on a thread of this process (tests, benchmarks): `url` is its `/v1` base URL."""
+
+    app: Any
+    server: Any  # uvicorn.Server
+    thread: threading.Thread
+    url: str
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.app.state.worker.close()
+
+
+def serve_in_background(model: Model, config: ServerConfig, host: str = "127.0.0.1", port: int = 0,
+                        timeout: float = 60.0) -> BackgroundServer:
+    """Start the server on a thread and return once it accepts connections (port 0: a free port)."""
+    import socket
+
+    import uvicorn
+
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    app = create_app(model, config)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + timeout
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    if not server.started:
+        app.state.worker.close()
+        raise RuntimeError(f"the server did not start within {timeout:g} s")
+    return BackgroundServer(app, server, thread, f"http://{host}:{port}/v1")
+
+
 def serve(model: Model, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Serve until interrupted."""
     import uvicorn
@@ -396,4 +435,4 @@ def serve(model: Model, config: ServerConfig, host: str = "127.0.0.1", port: int
         app.state.worker.close()
 
 
-__all__ = ["APIError", "ServerConfig", "build_policy", "create_app", "serve"]
+__all__ = ["APIError", "BackgroundServer", "ServerConfig", "build_policy", "create_app", "serve", "serve_in_background"]
