@@ -204,7 +204,7 @@ def check_train(model: Model, mesh_name: str) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--generate", default="", help="comma list of MESH:POLICY[:replicate], e.g. 1x8:tova")
+    parser.add_argument("--generate", default="", help="comma list of MESH:POLICY[:replicate|:int8], e.g. 1x8:tova")
     parser.add_argument("--train", default="", help="comma list of meshes, e.g. 8x1,2x4")
     parser.add_argument("--indivisible", action="store_true")
     parser.add_argument("--matrix", default="", help="a mesh for every policy matrix case, e.g. 1x2")
@@ -213,6 +213,9 @@ def main(argv=None) -> None:
     model = tiny_model()
     for item in filter(None, args.generate.split(",")):
         mesh_name, name, *mode = item.split(":")
+        if mode == ["int8"]:  # int8 KV pages: scales sharded with their pages, moved by compaction
+            result["generate"].append(check_generate(model.with_kv_dtype("int8"), mesh_name, name))
+            continue
         target = tiny_model(num_heads=8, num_kv_heads=4, seed=3) if mode else model
         result["generate"].append(check_generate(target, mesh_name, name, mode[0] if mode else "error"))
     for mesh_name in filter(None, args.train.split(",")):

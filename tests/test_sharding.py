@@ -17,7 +17,7 @@ import pytest
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sharding_worker.py")
 # one policy per mesh, chosen to cover each shard-crossing path: TOVA averages attention over all heads
 # while decoding, Ada-SnapKV splits a layer's budget across heads at compression, Quest selects per head
-GENERATE = "1x8:tova,2x4:ada_snapkv,8x1:quest"
+GENERATE = "1x8:tova,2x4:ada_snapkv:int8,8x1:quest"  # Ada-SnapKV's compaction on int8 pages and their scales
 ALL_POLICIES = ["full", "quest", "streaming", "h2o", "tova", "snapkv", "ada_snapkv", "pyramid", "ada_pyramid",
                 "locret", "compose"]
 
