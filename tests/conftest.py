@@ -132,3 +132,32 @@ def _drop_compiled_programs():
     import jax
 
     jax.clear_caches()
+
+
+# ------------------------------------------------------------------ subprocess checks started early
+
+_BACKGROUND: dict[tuple, object] = {}
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection
+def pytest_collection_modifyitems(session, config, items):
+    """Start the background worker runs a selected module asks for (`BACKGROUND_RUNS`, a tuple of argument
+    tuples; tests/test_sharding.py), once collection knows which tests will run, so they overlap with the
+    other tests. `take_background_run` hands a run to its test. KVJAX_TEST_NO_BACKGROUND=1 turns it off."""
+    if os.environ.get("KVJAX_TEST_NO_BACKGROUND"):
+        return
+    modules = {item.module for item in items if getattr(item, "module", None) is not None}
+    for module in modules:
+        for args in getattr(module, "BACKGROUND_RUNS", ()):
+            if args not in _BACKGROUND:
+                _BACKGROUND[args] = module.start_worker(*args)
+
+
+def take_background_run(args: tuple):
+    """The background process started for `args`, or None (then the caller runs it itself)."""
+    return _BACKGROUND.pop(tuple(args), None)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for proc in _BACKGROUND.values():  # runs no test claimed (deselected by a marker, a failure before)
+        proc.kill()

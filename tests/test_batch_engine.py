@@ -111,3 +111,10 @@ def test_bad_requests_are_refused_by_name(model):
         engine.submit([1, 2, 3], 0)
     with pytest.raises(ValueError, match="top_p"):
         engine.submit([1, 2, 3], 4, top_p=0.0)
+
+
+def test_a_pool_too_small_for_one_request_is_an_error_naming_pool_pages(model):
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, pool_pages=4)
+    engine.submit(prompts(1)[0], 4)
+    with pytest.raises(kvjax.CacheCapacityError, match="pool_pages"):
+        engine.run()

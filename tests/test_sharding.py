@@ -22,16 +22,31 @@ ALL_POLICIES = ["full", "quest", "streaming", "h2o", "tova", "snapkv", "ada_snap
                 "locret", "compose"]
 
 
+RESULTS_ARGS = ("--generate", GENERATE, "--train", "8x1", "--indivisible")
+MATRIX_ARGS = ("--matrix", "1x2")
+# Worker runs conftest.py starts in the background as soon as tests of this module are collected: each is a
+# separate process that mostly compiles (one core), so they overlap with the rest of the suite.
+BACKGROUND_RUNS = (RESULTS_ARGS, MATRIX_ARGS)
+
+
+def start_worker(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, WORKER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def run_worker(*args: str, timeout: int = 3600) -> dict:
-    proc = subprocess.run([sys.executable, WORKER, *args], capture_output=True, text=True, timeout=timeout)
+    """The worker's result for `args`: from its background run when conftest.py started one, else run now."""
+    from conftest import take_background_run
+
+    proc = take_background_run(args) or start_worker(*args)
+    stdout, stderr = proc.communicate(timeout=timeout)
     if proc.returncode != 0:
-        pytest.fail(f"sharding worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        pytest.fail(f"sharding worker failed ({proc.returncode}):\n{stderr[-4000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_worker("--generate", GENERATE, "--train", "8x1", "--indivisible")
+    return run_worker(*RESULTS_ARGS)
 
 
 def test_worker_sees_eight_devices(results):
@@ -107,7 +122,7 @@ def _matrix_params():
 
 @pytest.fixture(scope="module")
 def matrix_results():
-    return {run["policy"]: run for run in run_worker("--matrix", "1x2")["matrix"]}
+    return {run["policy"]: run for run in run_worker(*MATRIX_ARGS)["matrix"]}
 
 
 @pytest.mark.slow

@@ -55,7 +55,7 @@ from kvjax.step import LOCAL_BACKEND
 class BatchRequest:
     """A request and, as it runs, its output: `tokens` (EOS included when one ended it), their `logprobs`,
     and `finish_reason` ("stop": an EOS token, "length": `max_new_tokens`, "abort": `on_tokens` asked to
-    stop) once finished. `on_tokens(request, new_tokens: list[int])` is called after every dispatch that
+    stop, "error": the request could not be served, `error` says why) once finished. `on_tokens(request, new_tokens: list[int])` is called after every dispatch that
     gave the request tokens; returning True ends it."""
 
     request_id: str
@@ -72,6 +72,7 @@ class BatchRequest:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # why a request finished with "error" (its prefill could not fit the cache)
 
     @property
     def finished(self) -> bool:
@@ -220,13 +221,17 @@ class BatchEngine:
         finds no row or pages), then run one dispatch of one live batch (batches take turns)."""
         self._insert_ready()
         while self.waiting and not self.ready:
-            self._prefill(self.waiting.popleft())
+            request = self.waiting.popleft()
+            try:
+                self._prefill(request)
+            except CacheCapacityError as error:  # this request cannot be served; the others go on
+                request.finish_reason, request.error = "error", str(error)
             self._insert_ready()
         live = [b for b in self.batches.values() if b.live]
         if live:
             self._dispatch(live[self._turn % len(live)])
             self._turn += 1
-        elif self.ready and not self.waiting:
+        elif self.ready:  # nothing live will free pages: the request can never fit
             blocked = self.ready[0]
             raise CacheCapacityError(
                 f"request {blocked.request.request_id} holds {pages_held(blocked.state)} pages, more than a batch "

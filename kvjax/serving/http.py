@@ -202,6 +202,9 @@ class Worker:
 
     def _finish(self, rid: str) -> None:
         job, request = self.running.pop(rid), self.engine.requests.pop(rid)
+        if request.finish_reason == "error":
+            job.emit("error", APIError(400, request.error, param="max_tokens", code="context_length_exceeded"))
+            return
         job.flush(len(job.text))
         finish = "stop" if job.stopped_by_string or request.finish_reason == "stop" else "length"
         job.emit("done", {"finish_reason": finish, "completion_tokens": len(job.ids)})
