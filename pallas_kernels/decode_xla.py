@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _pages
-from ._quant import dequantize
 
 # How one block of gathered pages is folded into the softmax state:
 #   mulsum : logits and p.v as broadcast-multiply + reduce (XLA maps them to its CPU library fusions)
@@ -88,7 +87,7 @@ def attend_read_list_xla(
     """Online-softmax attention of each query head over its row's listed pages.
 
     Row (b, hs) of the read list serves query heads hs*Gq .. hs*Gq+Gq-1 (Gq = Hq // Hsel). int8 pages are
-    dequantised as they are gathered, block by block (the pool is read as int8).
+    read as int8 and their per-slot scales applied to the logits and the probabilities.
     Returns (out f32[B, Hq, D], row_max f32[B, Hq], row_sum f32[B, Hq]) over logits scaled by sm_scale.
     """
     if formulation not in FORMULATIONS:
@@ -106,24 +105,34 @@ def attend_read_list_xla(
     if q_per_row == 1:
         q_rows = q_rows[:, 0]  # [R, D]: no size-1 axis (see the module docstring)
 
-    def gather(pool, scale, pages):
+    def gather(pool, pages):
         gathered = pool.at[pages].get(mode="promise_in_bounds")  # pages are clamped into the pool
         if formulation == "mulsum_barrier":
             gathered = lax.optimization_barrier(gathered)
-        return dequantize(gathered, None if scale is None else scale.at[pages].get(mode="promise_in_bounds"))
+        return gathered.astype(jnp.float32)
+
+    # int8 pages: the per-slot scales multiply the logits (K) and the probabilities (V) rather than every
+    # value, one multiply per slot instead of one per element
+    def slot_scale(scale, pages):  # [R, ..., ps], broadcast over the query axis of grouped rows, or 1
+        if scale is None:
+            return 1.0
+        per_slot = scale.at[pages].get(mode="promise_in_bounds")
+        return per_slot if q_per_row == 1 else per_slot[:, None]
 
     # 1. The current page (entry 0), masked slot by slot: the only page with slots past the length.
     slot = jnp.arange(page_size, dtype=jnp.int32)
     current_valid = slot < counts[:, :1]  # [R, ps]
-    k_current = gather(k_pages, k_scale, physical[:, 0])  # [R, ps, D]
-    v_current = jnp.where(current_valid[..., None], gather(v_pages, v_scale, physical[:, 0]), 0.0)
+    k_current = gather(k_pages, physical[:, 0])  # [R, ps, D]
+    v_current = jnp.where(current_valid[..., None], gather(v_pages, physical[:, 0]), 0.0)
     if q_per_row > 1:
         current_valid = current_valid[:, None]
-    logits = jnp.where(current_valid, _logits(q_rows, k_current, formulation), -jnp.inf)
+    k_current_scale = slot_scale(k_scale, physical[:, 0])
+    logits = jnp.where(current_valid, _logits(q_rows, k_current, formulation) * k_current_scale, -jnp.inf)
     row_max = jnp.max(logits, axis=-1)  # finite: the current page holds >= 1 slot
     probs = jnp.exp(logits - row_max[..., None])
     row_sum = jnp.sum(probs, axis=-1)
-    acc = _weighted_values(probs, v_current, formulation)
+    v_current_scale = jnp.where(current_valid, slot_scale(v_scale, physical[:, 0]), 0.0)  # NaN past the length
+    acc = _weighted_values(probs * v_current_scale, v_current, formulation)
 
     # 2. Full pages in blocks. Entries with nothing to read point at the row's first full page (finite
     # values; their logits are masked), or, in rows with no full page at all, their contribution is
@@ -152,14 +161,16 @@ def attend_read_list_xla(
         row_max, row_sum, acc = state  # [R(, Gq)], [R(, Gq)], [R, (Gq,) D]
         block_pages = lax.dynamic_index_in_dim(page_blocks, block_index, keepdims=False)  # [R, nb]
         block_readable = lax.dynamic_index_in_dim(readable_blocks, block_index, keepdims=False)
-        k = gather(k_pages, k_scale, block_pages)  # [R, nb, ps, D]
-        v = gather(v_pages, v_scale, block_pages)
+        k = gather(k_pages, block_pages)  # [R, nb, ps, D]
+        v = gather(v_pages, block_pages)
         page_mask = block_readable[:, :, None] if q_per_row == 1 else block_readable[:, None, :, None]
-        logits = jnp.where(page_mask, _logits(q_rows, k, formulation), -jnp.inf)  # [R, (Gq,) nb, ps]
+        logits = _logits(q_rows, k, formulation) * slot_scale(k_scale, block_pages)
+        logits = jnp.where(page_mask, logits, -jnp.inf)  # [R, (Gq,) nb, ps]
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=(-2, -1)))  # finite: current page seen
         rescale = jnp.exp(row_max - new_max)
         probs = jnp.exp(logits - new_max[..., None, None])
-        weighted = jnp.where(row_keep, _weighted_values(probs, v, formulation), 0.0)
+        weighted = _weighted_values(probs * slot_scale(v_scale, block_pages), v, formulation)
+        weighted = jnp.where(row_keep, weighted, 0.0)
         row_sum = row_sum * rescale + jnp.sum(probs, axis=(-2, -1))
         return new_max, row_sum, acc * rescale[..., None] + weighted
 
