@@ -131,8 +131,9 @@ def attend_read_list_xla(
     row_max = jnp.max(logits, axis=-1)  # finite: the current page holds >= 1 slot
     probs = jnp.exp(logits - row_max[..., None])
     row_sum = jnp.sum(probs, axis=-1)
-    v_current_scale = jnp.where(current_valid, slot_scale(v_scale, physical[:, 0]), 0.0)  # NaN past the length
-    acc = _weighted_values(probs * v_current_scale, v_current, formulation)
+    if v_scale is not None:  # int8: scale the probabilities (a scale past the length may be NaN: masked)
+        probs = probs * jnp.where(current_valid, slot_scale(v_scale, physical[:, 0]), 0.0)
+    acc = _weighted_values(probs, v_current, formulation)
 
     # 2. Full pages in blocks. Entries with nothing to read point at the row's first full page (finite
     # values; their logits are masked), or, in rows with no full page at all, their contribution is

@@ -271,7 +271,9 @@ class BatchEngine:
         while self.ready:
             item = self.ready.popleft()
             key = item.request.batch_key + (item.long_rope,)
-            batch = self.batches.get(key) or self.batches.setdefault(key, _Batch(self, key[:-1], item.long_rope))
+            if key not in self.batches:
+                self.batches[key] = _Batch(self, key[:-1], item.long_rope)
+            batch = self.batches[key]
             slot = batch.free_row()
             if slot is None or pages_held(item.state) > int(batch.state.num_free):
                 still.append(item)

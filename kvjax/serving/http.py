@@ -128,8 +128,9 @@ class Worker:
         from kvjax.serving.batch_engine import BatchEngine
 
         self.model = model
-        self.engine = BatchEngine(model, max_rows=max_rows, capacity=capacity, page_size=page_size,
-                                  chunk_size=chunk_size, steps_per_dispatch=steps_per_dispatch)
+        self.new_engine = lambda: BatchEngine(model, max_rows=max_rows, capacity=capacity, page_size=page_size,  # noqa: E731
+                                              chunk_size=chunk_size, steps_per_dispatch=steps_per_dispatch)
+        self.engine = self.new_engine()
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.running: dict[str, Job] = {}
         self.thread = threading.Thread(target=self._loop, name="kvjax-serve", daemon=True)
@@ -162,10 +163,7 @@ class Worker:
                 for job in self.running.values():
                     job.emit("error", failure)
                 self.running.clear()
-                self.engine = type(self.engine)(self.model, max_rows=self.engine.max_rows,
-                                                capacity=self.engine.capacity, page_size=self.engine.page_size,
-                                                chunk_size=self.engine.chunk_size,
-                                                steps_per_dispatch=self.engine.steps)
+                self.engine = self.new_engine()
                 continue
             for rid in [rid for rid, job in self.running.items() if self.engine.requests[rid].finished]:
                 self._finish(rid)
