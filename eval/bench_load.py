@@ -8,7 +8,9 @@ server's policy or `--policy`). Measured: completion tokens per second over the 
 token and inter-token latency (per request: (last chunk - first chunk) / (tokens - 1)) at p50 and p99,
 requests lost (an error, or no finish reason: must be 0), pages leaked by the engine (must be 0); and
 `generate` on each request alone, back to back, for the tokens-per-second ratio. Both sides replay the
-trace once untimed first, so every program is compiled before the clock starts.
+trace once untimed first, so every program is compiled before the clock starts; the server's prefix cache
+is emptied after that pass, so the timed pass reuses only the whole `--chunk-size` chunks its own requests
+share (its hit rate, in prompt tokens, is reported).
 
     python -m eval.bench_load --model tiny                     # ./kvjax-results/load/bench_load_tiny.*
     python -m eval.bench_load --model smollm2-135m --requests 16
@@ -46,7 +48,7 @@ def start_server(model, args):
 
     policy = kvjax.make_policy(args.policy, **dict(args.policy_options))
     config = ServerConfig(args.model, policy, max_context=args.capacity, steps_per_dispatch=args.steps_per_dispatch,
-                          max_rows=args.max_rows)
+                          max_rows=args.max_rows, chunk_size=args.chunk_size, prefix_cache_mb=args.prefix_cache_mb)
     return serve_in_background(model, config)
 
 
@@ -86,7 +88,11 @@ def run_load(model, trace, args) -> dict:
     try:
         with ThreadPoolExecutor(args.concurrency) as pool:  # the same trace once, untimed: compiles every shape
             list(pool.map(lambda r: ask(client, args.model, *r), trace))
-        dispatches_before = server.app.state.worker.engine.dispatches
+        engine = server.app.state.worker.engine
+        dispatches_before = engine.dispatches
+        if engine.prefix is not None:  # the timed pass reuses only prefixes its own requests share
+            engine.prefix.clear()
+            engine.prefix.stats = type(engine.prefix.stats)()
         start = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
             results = list(pool.map(lambda r: ask(client, args.model, *r), trace))
@@ -102,7 +108,8 @@ def run_load(model, trace, args) -> dict:
     return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
             "requests": len(trace), "lost": len(trace) - len(done), "errors": [r["error"] for r in results if r["error"]],
             "pages_leaked": int(leaked), "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
-            "dispatches": engine.dispatches - dispatches_before}
+            "dispatches": engine.dispatches - dispatches_before,
+            "prefix_hit_rate": engine.prefix.stats.hit_rate if engine.prefix is not None else 0.0}
 
 
 def run_sequential(model, trace, args) -> dict:
@@ -111,11 +118,13 @@ def run_sequential(model, trace, args) -> dict:
 
     policy = kvjax.make_policy(args.policy, **dict(args.policy_options))
     for prompt, max_tokens in trace:  # untimed pass: compiles every shape, as the server's
-        kvjax.generate(model, [prompt], max_tokens, policy, steps_per_dispatch=args.steps_per_dispatch)
+        kvjax.generate(model, [prompt], max_tokens, policy, steps_per_dispatch=args.steps_per_dispatch,
+                       chunk_size=args.chunk_size)
     start = time.perf_counter()
     tokens = 0
     for prompt, max_tokens in trace:
-        out = kvjax.generate(model, [prompt], max_tokens, policy, steps_per_dispatch=args.steps_per_dispatch)
+        out = kvjax.generate(model, [prompt], max_tokens, policy, steps_per_dispatch=args.steps_per_dispatch,
+                             chunk_size=args.chunk_size)
         tokens += int((out[0] >= 0).sum())
     wall = time.perf_counter() - start
     return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall}
@@ -154,6 +163,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-max", type=int, default=512)
     parser.add_argument("--output-min", type=int, default=8)
     parser.add_argument("--output-max", type=int, default=64)
+    parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (and prefix reuse granularity)")
+    parser.add_argument("--prefix-cache-mb", type=int, default=256, help="the server's prefix cache (0: off)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=default_out("load"))
@@ -176,14 +187,16 @@ def main(argv=None) -> dict:
     ms = lambda x: "" if x is None else f"{1000 * x:.0f}"  # noqa: E731
     table = markdown_table(
         ["model", "policy", "clients", "requests", "lost", "pages leaked", "tok/s served", "tok/s generate 1-by-1",
-         "ratio", "TTFT p50 / p99 ms", "ITL p50 / p99 ms"],
+         "ratio", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "prefix hits"],
         [[args.model, args.policy, args.concurrency, args.requests, load["lost"], load["pages_leaked"],
           load["tokens_per_s"], sequential["tokens_per_s"], f"{payload['throughput_ratio']:.2f}x",
           f"{ms(load['ttft_s']['p50'])} / {ms(load['ttft_s']['p99'])}",
-          f"{ms(load['itl_s']['p50'])} / {ms(load['itl_s']['p99'])}"]],
+          f"{ms(load['itl_s']['p50'])} / {ms(load['itl_s']['p99'])}",
+          f"{100 * load['prefix_hit_rate']:.0f}% of prompt tokens"]],
     ) + (f"\n{payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores; prompts "
          f"{args.prompt_min}-{args.prompt_max} tokens, outputs up to {args.output_min}-{args.output_max}, greedy; "
-         f"max_rows {args.max_rows}, {args.steps_per_dispatch} steps per dispatch.\n")
+         f"max_rows {args.max_rows}, {args.steps_per_dispatch} steps per dispatch, prefill chunk {args.chunk_size}, "
+         f"prefix cache {args.prefix_cache_mb} MB.\n")
     name = f"bench_load_{args.model.replace('-', '_')}"
     paths = write_outputs(args.out, name, payload, table)
     plot(payload, paths["json"].replace(".json", ".png"))

@@ -145,7 +145,8 @@ def cmd_serve(args) -> int:
     name = args.served_name or args.model
     config = ServerConfig(name, policy, args.max_context or model.cfg.max_position_embeddings,
                           chunk_size=args.chunk_size, page_size=args.page_size,
-                          steps_per_dispatch=args.steps_per_dispatch, max_rows=args.max_rows)
+                          steps_per_dispatch=args.steps_per_dispatch, max_rows=args.max_rows,
+                          prefix_cache_mb=args.prefix_cache_mb)
     print(f"serving {name} ({args.policy}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve(model, config, args.host, args.port)
     return 0
@@ -214,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV page dtype (default: --dtype); int8 keeps one float32 scale per slot")
     srv.add_argument("--max-rows", type=int, default=4,
                      help="requests decoded together per batch; each batch's pool holds this many full-context rows")
+    srv.add_argument("--prefix-cache-mb", type=int, default=256,
+                     help="memory for prefill states at chunk boundaries, reused by prompts sharing whole chunks (0: off)")
     srv.set_defaults(func=cmd_serve)
 
     train = sub.add_parser("train", help="train retaining heads (locret) or the shipped default model")

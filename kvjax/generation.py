@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ from kvjax.loading import Model
 from kvjax.models import CausalLM
 from kvjax.policies import FullPolicy, Policy
 from kvjax.rope import rope_frequencies, uses_long_factors
+from kvjax.rows import insert_row
 from kvjax.sampling import sample_first_tokens, validate_sampling
 from kvjax.state import CacheCapacityError, KVState, overflow_error, pages_for
 from kvjax.step import LOCAL_BACKEND, StepBackend, new_window
@@ -143,6 +144,16 @@ def forward_logits(model: Model, tokens) -> jax.Array:
     return _dense_logits(model.params, array, cfg=model.cfg, dtype=model.dtype, long_rope=long_rope)
 
 
+class PrefillCarry(NamedTuple):
+    """What chunked prefill carries from one chunk to the next, after `tokens` prompt tokens: the state, the
+    window of last queries (`kvjax.step.new_window`, or None) and the logits `f32[B, V]` at the last token."""
+
+    state: KVState
+    window: Any
+    logits: jax.Array
+    tokens: int
+
+
 def prefill_rows(
     model: Model,
     rows: list[np.ndarray],
@@ -154,14 +165,18 @@ def prefill_rows(
     reserve_tokens: int,
     backend: StepBackend | None = None,
     progress: bool = False,
+    resume: PrefillCarry | None = None,
+    on_chunk: Callable[[PrefillCarry], None] | None = None,
 ) -> tuple[KVState, jax.Array]:
     """Chunked prefill of validated token rows on `backend` (default: one device, `LOCAL_BACKEND`), with
     `capacity` tokens per (layer, head), LongRoPE decided from `declared_length`, and room for
     `reserve_tokens` more tokens after compression. `progress` shows a bar over the chunks of a prompt of
-    several chunks. Returns `(state, logits f32[B, V])`."""
+    several chunks; `resume` and `on_chunk` reuse a prefix's prefill (`prefill_chunks`). Returns
+    `(state, logits f32[B, V])`."""
     backend = backend or LOCAL_BACKEND
     state, window, logits = prefill_chunks(
-        model, rows, policy, page_size, capacity, chunk_size, declared_length, reserve_tokens, backend, progress
+        model, rows, policy, page_size, capacity, chunk_size, declared_length, reserve_tokens, backend, progress,
+        resume, on_chunk,
     )
     if policy.compresses and policy.chunks is None:
         state = compress_prefilled(model, state, window, policy, [len(r) for r in rows], reserve_tokens, backend)
@@ -179,10 +194,18 @@ def prefill_chunks(
     reserve_tokens: int,
     backend: StepBackend | None = None,
     progress: bool = False,
+    resume: PrefillCarry | None = None,
+    on_chunk: Callable[[PrefillCarry], None] | None = None,
 ) -> tuple[KVState, Any, jax.Array]:
     """`prefill_rows` up to, not including, the compression after prefill: every chunk appended (and, with a
     chunk schedule, compressed). Returns `(state, window, logits)`, `window` being the carry of the last
-    `policy.window_size` queries per layer (`kvjax.step.new_window`) or None."""
+    `policy.window_size` queries per layer (`kvjax.step.new_window`) or None.
+
+    Prefix reuse (one row, a policy without a chunk schedule): `on_chunk(carry)` is called after every whole
+    chunk with what the next chunk starts from (it must copy what it keeps: the next step donates the
+    state), and `resume`, such a carry taken from a prompt with the same first `resume.tokens` tokens,
+    starts the prefill there. The chunks are the ones a prefill from scratch runs (C from the whole
+    prompt), so the result equals it: only the physical pages differ (`kvjax.rows.insert_row`)."""
     backend = backend or LOCAL_BACKEND
     cfg = model.cfg
     policy.validate(page_size)
@@ -209,10 +232,12 @@ def prefill_chunks(
     )
     keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths - tails)
     policy_params = chunks.params if per_chunk else None
+    if (resume is not None or on_chunk is not None) and (per_chunk or B != 1):
+        raise ValueError("prefix reuse (resume, on_chunk) takes one row and a policy without a chunk schedule, got "
+                         f"{B} rows and policy {policy.name!r}")
 
-    def run_chunks(state, window, logits, part: list, compress: bool):
+    def run_chunks(state, window, logits, part: list, compress: bool, C: int, done: int = 0):
         part_len = np.array([len(r) for r in part], np.int32)
-        C = _chunk_size_for(int(part_len.max()), chunk_size)
         num_chunks = -(-int(part_len.max()) // C)
         padded = np.zeros((B, num_chunks * C), np.int32)
         for i, row in enumerate(part):
@@ -230,13 +255,27 @@ def prefill_chunks(
                     state, window, backend.put(i >= last_chunk), num_layers=cfg.num_layers, policy=policy,
                     keep_bound=keep_bound, read_pages=read_bound,
                 )
+            if on_chunk is not None and (num_new == C).all():
+                on_chunk(PrefillCarry(state, window, logits, done + (i + 1) * C))
         return state, window, logits
 
     logits = backend.put(jnp.zeros((B, cfg.vocab_size), jnp.float32))
     window = new_window(cfg, B, policy.window_size, model.dtype) if policy.compresses else None
-    state, window, logits = run_chunks(state, window, logits, [r[: len(r) - t] for r, t in zip(rows, tails)], per_chunk)
+    head = [r[: len(r) - t] for r, t in zip(rows, tails)]
+    C = _chunk_size_for(max(len(r) for r in head), chunk_size)
+    done = 0
+    if resume is not None:
+        done = resume.tokens
+        if done % C or done > len(head[0]):
+            raise ValueError(f"a prefill of {len(head[0])} tokens in chunks of {C} cannot resume after {done} tokens")
+        state = insert_row(state, resume.state, jnp.int32(0))
+        window = None if window is None else jax.tree.map(jnp.copy, resume.window)
+        logits = jnp.copy(resume.logits)
+        head = [r[done:] for r in head]
+    state, window, logits = run_chunks(state, window, logits, head, per_chunk, C, done)
     if tails.any():
-        state, window, logits = run_chunks(state, window, logits, [r[len(r) - t :] for r, t in zip(rows, tails)], False)
+        part = [r[len(r) - t :] for r, t in zip(rows, tails)]
+        state, window, logits = run_chunks(state, window, logits, part, False, _chunk_size_for(int(tails.max()), chunk_size))
     error = backend.overflow_error(state)
     if error is not None:
         raise error

@@ -29,21 +29,22 @@ def pages_held(state: KVState, row: int = 0) -> int:
 
 @functools.partial(jax.jit, donate_argnames=("batch",))
 def insert_row(batch: KVState, row: KVState, slot: jax.Array) -> KVState:
-    """Copy sequence 0 of `row` (a one-sequence state of the same model, page size and page dtype, whose page
-    table is no wider than `batch`'s) into row `slot` (int32[], a row holding no pages) of `batch`, on pages
-    taken from `batch`'s
-    free stack: K/V (and scales), min/max, positions, scores, lengths, the eviction hole and the next
-    position. When the pool has too few free pages nothing is copied and `overflow` records it (check
-    `pages_held(row)` against `batch.num_free` first). Donates `batch`."""
+    """Copy sequence 0 of `row` (a one-sequence state of the same model, page size and page dtype) into row
+    `slot` (int32[], a row holding no pages) of `batch`, on pages taken from `batch`'s free stack: K/V (and
+    scales), min/max, positions, scores, lengths, the eviction hole and the next position. A narrower row
+    table is padded; a wider one is cut to `batch`'s width, so its pages past that width must be empty
+    (`narrow_row` relies on it). When the pool has too few free pages nothing is copied and `overflow`
+    records it (check `pages_held(row)` against `batch.num_free` first). Donates `batch`."""
     N = batch.num_pages
     L, _, H, Pr = row.page_table.shape
     bL, _, bH, P = batch.page_table.shape
-    if (bL, bH) != (L, H) or Pr > P or batch.page_size != row.page_size:
+    if (bL, bH) != (L, H) or batch.page_size != row.page_size:
         raise ValueError(f"a row of page table {row.page_table.shape} and page size {row.page_size} does not fit a "
                          f"batch of {batch.page_table.shape} and page size {batch.page_size}")
     if batch.k_pages.dtype != row.k_pages.dtype:
         raise ValueError(f"row pages are {row.k_pages.dtype}, the batch's {batch.k_pages.dtype}")
-    table = jnp.pad(row.page_table[:, 0], ((0, 0), (0, 0), (0, P - Pr)), constant_values=-1).reshape(-1)  # [L*H*P]
+    table = row.page_table[:, 0, :, :P]
+    table = jnp.pad(table, ((0, 0), (0, 0), (0, P - table.shape[-1])), constant_values=-1).reshape(-1)  # [L*H*P]
     held = table >= 0
     need = jnp.sum(held)
     ok = need <= batch.num_free
@@ -73,6 +74,38 @@ def insert_row(batch: KVState, row: KVState, slot: jax.Array) -> KVState:
     )
 
 
+def empty_like(state: KVState, batch: int, max_pages: int, num_pages: int) -> KVState:
+    """An empty state with `state`'s layers, heads, page size and page dtype, for `batch` sequences of
+    `max_pages` logical pages per (layer, head) on a pool of `num_pages` pages."""
+    L, _, H, _ = state.page_table.shape
+    N, ps, D = num_pages, state.page_size, state.k_pages.shape[-1]
+    meta = state.kmin.dtype
+    scales = None if state.k_scale is None else jnp.zeros((N, ps), jnp.float32)
+    return KVState(
+        k_pages=jnp.zeros((N, ps, D), state.k_pages.dtype), v_pages=jnp.zeros((N, ps, D), state.v_pages.dtype),
+        kmin=jnp.full((N, D), jnp.inf, meta), kmax=jnp.full((N, D), -jnp.inf, meta),
+        slot_pos=jnp.full((N, ps), -1, jnp.int32), slot_score=jnp.zeros((N, ps), jnp.float32),
+        page_table=jnp.full((L, batch, H, max_pages), -1, jnp.int32), lengths=jnp.zeros((L, batch, H), jnp.int32),
+        free_pages=jnp.arange(N - 1, -1, -1, dtype=jnp.int32), num_free=jnp.asarray(N, jnp.int32),
+        refcount=jnp.zeros((N,), jnp.int32), next_position=jnp.zeros((batch,), jnp.int32),
+        overflow=jnp.zeros((3,), jnp.int32), hole=jnp.full((L, batch, H), -1, jnp.int32),
+        k_scale=scales, v_scale=scales, long_rope=state.long_rope,
+    )
+
+
+def narrow_row(state: KVState) -> KVState:
+    """A copy of one-sequence `state` on a pool of exactly the pages it holds, its table as wide as its
+    longest (layer, head) needs: what a prefix cache keeps of a prefill (`kvjax.serving.prefix_states`).
+    `insert_row` puts it back into a full-width state. Static read bounds are dropped."""
+    lengths = np.asarray(state.lengths[:, 0])
+    width = max(1, -(-int(lengths.max()) // state.page_size))
+    held = pages_held(state)
+    if np.asarray(state.page_table[:, 0, :, width:] >= 0).any():
+        raise ValueError(f"the state holds pages past its longest length's {width} pages (a hole-filled or "
+                         "compacted row): narrow_row copies prefills only")
+    return insert_row(empty_like(state, 1, width, max(held, 1)), state.replace(read_pages=None), jnp.int32(0))
+
+
 @functools.partial(jax.jit, donate_argnames=("batch",))
 def release_row(batch: KVState, slot: jax.Array) -> KVState:
     """Return every page of row `slot` (int32[]) of `batch` to the free stack and empty the row. Donates
@@ -87,4 +120,4 @@ def release_row(batch: KVState, slot: jax.Array) -> KVState:
     )
 
 
-__all__ = ["insert_row", "pages_held", "release_row"]
+__all__ = ["empty_like", "insert_row", "narrow_row", "pages_held", "release_row"]

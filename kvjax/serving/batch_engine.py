@@ -46,6 +46,7 @@ from kvjax.loading import Model
 from kvjax.policies import Policy
 from kvjax.rope import uses_long_factors
 from kvjax.rows import insert_row, pages_held, release_row
+from kvjax.serving.prefix_states import PrefixStates
 from kvjax.sampling import sample_first_tokens, validate_sampling
 from kvjax.state import CacheCapacityError, KVState, init_state, overflow_error, pages_for
 from kvjax.step import LOCAL_BACKEND
@@ -133,18 +134,21 @@ class BatchEngine:
     """Continuous batching over `generate`'s prefill, step and decode loop (module docstring).
 
     `max_rows`: rows per decode batch; `capacity`: tokens one request may reach (prompt plus new tokens)
-    per layer and head; `pool_pages`: pages of each batch's pool (default: `max_rows` full-capacity rows).
+    per layer and head; `pool_pages`: pages of each batch's pool (default: `max_rows` full-capacity rows);
+    `prefix_cache_bytes`: room for prefill carries at chunk boundaries, reused by requests whose prompts
+    start with the same whole chunks (`kvjax.serving.prefix_states`; 0 turns it off).
     A request that cannot fit `capacity` is refused at `submit` (ValueError); one that fits but finds no
     free row or too few free pages waits, prefilled, until a row finishes."""
 
     def __init__(self, model: Model, *, max_rows: int = 8, capacity: int = 2048, page_size: int = 16,
                  pool_pages: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH):
+                 steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, prefix_cache_bytes: int = 256 << 20):
         if max_rows < 1 or capacity < 1 or steps_per_dispatch < 1:
             raise ValueError(f"max_rows, capacity and steps_per_dispatch must be >= 1, got {max_rows}, {capacity}, "
                              f"{steps_per_dispatch}")
         self.model, self.max_rows, self.capacity, self.page_size = model, max_rows, capacity, page_size
         self.pool_pages, self.chunk_size, self.steps = pool_pages, chunk_size, steps_per_dispatch
+        self.prefix = PrefixStates(prefix_cache_bytes) if prefix_cache_bytes else None
         self.waiting: deque[BatchRequest] = deque()
         self.ready: deque[_Prefilled] = deque()
         self.batches: dict[tuple, _Batch] = {}
@@ -248,9 +252,16 @@ class BatchEngine:
     def _prefill(self, request: BatchRequest) -> None:
         model, prompt, tail = self.model, request.prompt, request.decode_last
         declared = len(prompt) + request.max_new_tokens
+        head = prompt[: len(prompt) - tail]
+        resume = on_chunk = None
+        if self.prefix is not None and not (request.policy.compresses and request.policy.chunks is not None):
+            # what else shapes the prefill's carry (capacity, page size and chunk are the engine's)
+            key = (request.policy, uses_long_factors(model.cfg, declared))
+            resume = self.prefix.lookup(key, head, self.chunk_size)
+            on_chunk = lambda carry: self.prefix.store(key, head, self.chunk_size, carry)  # noqa: E731
         state, logits = prefill_rows(
-            model, [prompt[: len(prompt) - tail]], request.policy, self.page_size, self.capacity, self.chunk_size,
-            declared, request.max_new_tokens + tail,
+            model, [head], request.policy, self.page_size, self.capacity, self.chunk_size, declared,
+            request.max_new_tokens + tail, resume=resume, on_chunk=on_chunk,
         )
         state, logits = feed_tokens(model, state, logits, [prompt[len(prompt) - tail:]], request.policy)
         self._sample_first(request, state, logits, uses_long_factors(model.cfg, declared))

@@ -124,12 +124,13 @@ class Worker:
     served, submits them, steps the engine while it has work, and streams each job's text."""
 
     def __init__(self, model: Model, chunk_size: int, page_size: int, steps_per_dispatch: int, max_rows: int = 4,
-                 capacity: int = 2048):
+                 capacity: int = 2048, prefix_cache_mb: int = 256):
         from kvjax.serving.batch_engine import BatchEngine
 
         self.model = model
         self.new_engine = lambda: BatchEngine(model, max_rows=max_rows, capacity=capacity, page_size=page_size,  # noqa: E731
-                                              chunk_size=chunk_size, steps_per_dispatch=steps_per_dispatch)
+                                              chunk_size=chunk_size, steps_per_dispatch=steps_per_dispatch,
+                                              prefix_cache_bytes=prefix_cache_mb << 20)
         self.engine = self.new_engine()
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.running: dict[str, Job] = {}
@@ -241,6 +242,7 @@ class ServerConfig:
     page_size: int = 16
     steps_per_dispatch: int = 16
     max_rows: int = 4  # rows of a decode batch: requests served together
+    prefix_cache_mb: int = 256  # prefill states kept for prompts sharing whole chunks (0: off)
 
 
 def create_app(model: Model, config: ServerConfig) -> FastAPI:
@@ -249,7 +251,7 @@ def create_app(model: Model, config: ServerConfig) -> FastAPI:
         raise ValueError("kvjax serve needs a model with a tokenizer")
     app = FastAPI(title="kvjax", description="OpenAI-compatible completions over kvjax's compressed KV caches")
     worker = Worker(model, config.chunk_size, config.page_size, config.steps_per_dispatch, config.max_rows,
-                    config.max_context)
+                    config.max_context, config.prefix_cache_mb)
     app.state.worker = worker
     created = int(time.time())
 

@@ -1,0 +1,106 @@
+"""A prefix cache of prefill carries: the batch engine's prefix hits.
+
+Chunked prefill is a fold over whole chunks, and its carry after a chunk (the one-sequence state, the
+window of last queries, the logits: `kvjax.generation.PrefillCarry`) is immutable data. So a request whose
+prompt starts with the same whole chunks as an earlier one can start its prefill from the earlier
+request's carry at the longest such boundary and compute only the rest; the result equals a prefill from
+scratch (the same chunks run; `tests/test_prefix_states.py`). Entries are named by the chained hash of
+their chunks (`kvjax.hashing`, as vLLM's prefix blocks) under a key of what else shapes a prefill (the
+policy, LongRoPE, capacity, page size), stored compactly (`kvjax.rows.narrow_row`: only the pages held)
+and evicted least recently used beyond `max_bytes`.
+
+Pages are not shared between the rows of a decode batch: a hit saves prefill compute, not decode-time
+memory. Each row keeps pages of its own because most policies rewrite them after prefill (compression,
+decode-time eviction, H2O's scores), and an uncompressed row's shared pages would need copy-on-write
+of the last partial page; see docs/design.md.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.generation import PrefillCarry
+from kvjax.hashing import chain_hashes
+from kvjax.rows import narrow_row
+
+
+def carry_bytes(carry: PrefillCarry) -> int:
+    """Device bytes an entry holds."""
+    return sum(x.nbytes for x in jax.tree.leaves((carry.state, carry.window, carry.logits)))
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: int = 0  # prompt tokens whose prefill a hit skipped
+    prompt_tokens: int = 0  # prompt tokens looked up
+    stored: int = 0
+    evicted: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of looked-up prompt tokens served from the cache."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class PrefixStates:
+    """Prefill carries at chunk boundaries, keyed by `(key, chained hash of the prompt's first chunks)`;
+    least recently used entries go once the entries hold more than `max_bytes`."""
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple, tuple[PrefillCarry, int]] = OrderedDict()
+        self.bytes = 0
+        self.stats = PrefixStats()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def clear(self) -> None:
+        """Drop every entry (the statistics stay)."""
+        self.entries.clear()
+        self.bytes = 0
+
+    def lookup(self, key: Hashable, prompt: Sequence[int], chunk: int) -> PrefillCarry | None:
+        """The carry at the longest chunk boundary of `prompt` (a multiple of `chunk` tokens) that is
+        cached under `key`, or None."""
+        self.stats.lookups += 1
+        self.stats.prompt_tokens += len(prompt)
+        for boundary, digest in reversed(list(enumerate(chain_hashes(list(map(int, prompt)), chunk), 1))):
+            entry = self.entries.get((key, digest))
+            if entry is not None:
+                self.entries.move_to_end((key, digest))
+                self.stats.hits += 1
+                self.stats.hit_tokens += boundary * chunk
+                return entry[0]
+        return None
+
+    def store(self, key: Hashable, prompt: Sequence[int], chunk: int, carry: PrefillCarry) -> None:
+        """Keep a compact copy of `carry`, the prefill of `prompt[:carry.tokens]` in chunks of `chunk` tokens
+        (`carry.tokens` a multiple of it), unless it is cached already or alone larger than the cache."""
+        digest = chain_hashes(list(map(int, prompt[: carry.tokens])), chunk)[-1]
+        name = (key, digest)
+        if name in self.entries or self.max_bytes == 0:
+            if name in self.entries:
+                self.entries.move_to_end(name)
+            return
+        copy = PrefillCarry(narrow_row(carry.state), jax.tree.map(jnp.copy, carry.window), jnp.copy(carry.logits),
+                            carry.tokens)
+        size = carry_bytes(copy)
+        if size > self.max_bytes:
+            return
+        self.entries[name] = (copy, size)
+        self.bytes += size
+        self.stats.stored += 1
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self.entries.popitem(last=False)
+            self.bytes -= dropped
+            self.stats.evicted += 1

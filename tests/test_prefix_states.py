@@ -1,0 +1,122 @@
+"""Prefix reuse in the batch engine (`kvjax.serving.prefix_states`): a prefill resumed from another prompt's
+carry at a shared chunk boundary equals a prefill from scratch, and requests with a shared prefix get
+`generate`'s tokens while skipping the shared chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvjax
+from _sharding_worker import VOCAB, tiny_model
+from kvjax.generation import prefill_rows
+from kvjax.serving.batch_engine import BatchEngine
+from kvjax.serving.prefix_states import PrefixStates
+from kvjax.state import gather_layer
+from policy_cases import matrix_cases
+
+PAGE_SIZE, CAPACITY, CHUNK = 8, 128, 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def cases(model):
+    return {case.id: case for case in matrix_cases(model.cfg, page_size=PAGE_SIZE)}
+
+
+def shared_prompts(count: int, shared: int = 2 * CHUNK, seed: int = 0) -> list[list[int]]:
+    """`count` prompts starting with the same `shared` tokens, then 5 to 40 tokens of their own."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, VOCAB, size=shared).tolist()
+    return [system + rng.integers(0, VOCAB, size=int(rng.integers(5, 40))).tolist() for _ in range(count)]
+
+
+def _prefill(model, prompt, policy, **reuse):
+    return prefill_rows(model, [np.asarray(prompt, np.int32)], policy, PAGE_SIZE, CAPACITY, CHUNK, CAPACITY, 16,
+                        **reuse)
+
+
+@pytest.mark.parametrize("case_id", ["full", "snapkv", "h2o", "quest"])
+def test_resumed_prefill_equals_prefill_from_scratch(model, cases, case_id):
+    policy = cases[case_id].policy
+    first, second = shared_prompts(2)
+    cache = PrefixStates(1 << 30)
+    _prefill(model, first, policy, on_chunk=lambda carry: cache.store("k", first, CHUNK, carry))
+    assert len(cache) == len(first) // CHUNK  # one entry per whole chunk of the first prompt
+    resume = cache.lookup("k", second, CHUNK)
+    assert resume is not None and resume.tokens == 2 * CHUNK  # the shared chunks, not the first's own third
+    scratch_state, scratch_logits = _prefill(model, second, policy)
+    boundaries = []
+    state, logits = _prefill(model, second, policy, resume=resume, on_chunk=lambda c: boundaries.append(c.tokens))
+    assert all(b > resume.tokens for b in boundaries)  # the shared chunks did not run again
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(scratch_logits))
+    assert state.read_pages == scratch_state.read_pages
+    for layer in range(model.cfg.num_layers):
+        for got, want in zip(gather_layer(state, layer), gather_layer(scratch_state, layer)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # the carry is what the prefill starts from: another prefix's carry gives other logits
+    other = PrefixStates(1 << 30)
+    stranger = shared_prompts(1, seed=5)[0]
+    _prefill(model, stranger, policy, on_chunk=lambda carry: other.store("k", stranger, CHUNK, carry))
+    assert not np.array_equal(np.asarray(_prefill(model, second, policy, resume=other.lookup(
+        "k", stranger[: 2 * CHUNK], CHUNK))[1]), np.asarray(scratch_logits))
+    # the cached entry survived the resumed prefill's donations and still serves
+    again, _ = _prefill(model, second, policy, resume=cache.lookup("k", second, CHUNK))
+    np.testing.assert_array_equal(np.asarray(gather_layer(again, 0)[0]), np.asarray(gather_layer(state, 0)[0]))
+
+
+def test_resume_refuses_a_carry_off_the_chunk_grid(model, cases):
+    first, second = shared_prompts(2)
+    cache = PrefixStates(1 << 30)
+    full = cases["full"].policy
+    _prefill(model, first, full, on_chunk=lambda carry: cache.store("k", first, CHUNK, carry))
+    carry = cache.lookup("k", second, CHUNK)
+    with pytest.raises(ValueError, match="cannot resume after 50 tokens"):
+        _prefill(model, second, full, resume=carry._replace(tokens=50))
+    with pytest.raises(ValueError, match="chunk schedule"):
+        _prefill(model, second, cases["locret"].policy, resume=carry)
+
+
+def test_engine_reuses_shared_prefixes_with_generates_tokens(model, cases):
+    policy = cases["snapkv"].policy
+    rows = shared_prompts(4)
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=CHUNK,
+                         steps_per_dispatch=4)
+    ids = [engine.submit(r, 6, policy, eos_token_id=-1) for r in rows]
+    out = engine.run()
+    for rid, row in zip(ids, rows):
+        tokens = kvjax.generate(model, [row], 6, policy, page_size=PAGE_SIZE, capacity=CAPACITY, chunk_size=CHUNK,
+                                eos_token_id=-1)[0]
+        assert out[rid].tokens == tokens.tolist()
+    stats = engine.prefix.stats
+    assert stats.hits == 3 and stats.hit_tokens == 3 * 2 * CHUNK  # every request after the first skips 2 chunks
+    assert engine.leaked_pages == 0
+
+
+def test_per_chunk_compressors_prefill_from_scratch(model, cases):
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=CHUNK)
+    for row in shared_prompts(2):
+        engine.submit(row, 2, cases["locret"].policy, eos_token_id=-1)
+    engine.run()
+    assert engine.prefix.stats.lookups == 0 and len(engine.prefix) == 0
+
+
+def test_least_recently_used_entries_go_past_the_byte_budget(model, cases):
+    full = cases["full"].policy
+    first, second = shared_prompts(2, seed=1), shared_prompts(2, seed=2)[0]
+    probe = PrefixStates(1 << 30)
+    _prefill(model, first[0], full, on_chunk=lambda carry: probe.store("k", first[0], CHUNK, carry))
+    one_chunk = min(size for _, size in probe.entries.values())
+    cache = PrefixStates(3 * one_chunk)  # room for the one- and two-chunk entries of one prompt, not more
+    _prefill(model, first[0], full, on_chunk=lambda carry: cache.store("k", first[0], CHUNK, carry))
+    assert cache.lookup("k", first[1], CHUNK).tokens == 2 * CHUNK  # touched: now the most recent
+    _prefill(model, second, full, on_chunk=lambda carry: cache.store("k", second, CHUNK, carry))
+    assert cache.bytes <= cache.max_bytes and cache.stats.evicted >= 1
+    assert cache.lookup("k", second, CHUNK) is not None
+    assert PrefixStates(0).max_bytes == 0
+    with pytest.raises(ValueError, match="max_bytes"):
+        PrefixStates(-1)
