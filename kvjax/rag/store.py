@@ -10,7 +10,9 @@ one of two forms, fixed per store:
   in float32 (`rope_shift.shift_keys`); refused across LongRoPE's short/long switch.
 
 Entries carry the fingerprint of the model and tokenizer that made them; using them with another raises
-`ChunkMismatchError`.
+`ChunkMismatchError`. They live in a byte-bounded LRU (`kvjax.lru.BytesLRU`): unbounded by default,
+`max_bytes` for a budget of their own, or `lru=engine.cache` to share the batch engine's budget with its
+prefix carries.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import numpy as np
 from kvjax.loading import Model
 from kvjax.rag.encode import encode_kv
 from kvjax.hashing import ROOT_HASH, hash_block
+from kvjax.lru import BytesLRU
 
 FORMS = ("pre_rope", "rotated")
+_NAMESPACE = "rag-chunk"  # keys in a shared BytesLRU
 
 
 class ChunkMismatchError(ValueError):
@@ -115,16 +119,29 @@ class ChunkStore:
     """Content-hash keyed chunk caches of one model. `form` is "pre_rope" or "rotated"; `long_rope` is the
     LongRoPE factor set chunks are encoded with (match it to the assembled length; ignored by other types)."""
 
-    def __init__(self, model: Model, form: str = "pre_rope", long_rope: bool = False):
+    def __init__(self, model: Model, form: str = "pre_rope", long_rope: bool = False, *, max_bytes: int | None = None,
+                 lru: BytesLRU | None = None):
         if form not in FORMS:
             raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        if max_bytes is not None and lru is not None:
+            raise ValueError("pass max_bytes or a shared lru, not both")
         self.model, self.form, self.long_rope = model, form, bool(long_rope)
         self.fingerprint = model_fingerprint(model)
-        self.entries: dict[bytes, ChunkKV] = {}
+        # entries live in a byte-bounded LRU: unbounded by default, or shared with the batch engine's prefix
+        # carries (`BatchEngine.cache`) so one budget bounds both
+        self.lru = lru if lru is not None else BytesLRU(max_bytes if max_bytes is not None else 1 << 62)
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return sum(1 for k in self.lru.keys() if k[0] == _NAMESPACE)
+
+    def get(self, key: bytes) -> ChunkKV | None:
+        """The entry of content hash `key` (now the most recently used), or None."""
+        return self.lru.get((_NAMESPACE, key))
+
+    def _keep(self, entry: ChunkKV) -> ChunkKV:
+        self.lru.put((_NAMESPACE, entry.key), entry, entry.k.nbytes + entry.v.nbytes + entry.tokens.nbytes)
+        return entry
 
     def key(self, prefix_tokens, tokens) -> bytes:
         """Content hash of `tokens` encoded after `prefix_tokens` (`None` for the prefix entry itself)."""
@@ -140,19 +157,20 @@ class ChunkStore:
                 f"chunk {entry.key.hex()[:12]} is stored as {entry.form} with long_rope={entry.long_rope}; this "
                 f"store holds {self.form} with long_rope={self.long_rope}"
             )
-        self.entries[entry.key] = entry
+        self._keep(entry)
 
     def prefix(self, prefix_tokens) -> ChunkKV:
         """The shared prefix's entry (encoded on first use), at positions 0..P-1."""
         prefix_tokens = _as_tokens(prefix_tokens, "prefix_tokens")
         key = self.key(prefix_tokens, None)
-        if key not in self.entries:
+        entry = self.get(key)
+        if entry is None:
             self.misses += 1
             k_pre, k, v = self._encode(prefix_tokens[None, :])
-            self.entries[key] = self._entry(key, prefix_tokens, k_pre[:, 0], k[:, 0], v[:, 0], 0)
+            entry = self._keep(self._entry(key, prefix_tokens, k_pre[:, 0], k[:, 0], v[:, 0], 0))
         else:
             self.hits += 1
-        return self.entries[key]
+        return entry
 
     def chunks(self, prefix_tokens, chunk_token_lists: Sequence) -> list[ChunkKV]:
         """Entries of each chunk encoded after `prefix_tokens`, encoding the missing ones (chunks of equal
@@ -160,9 +178,14 @@ class ChunkStore:
         prefix_tokens = _as_tokens(prefix_tokens, "prefix_tokens")
         chunks = [_as_tokens(c, f"chunk {i}") for i, c in enumerate(chunk_token_lists)]
         keys = [self.key(prefix_tokens, c) for c in chunks]
+        found = {}  # held here: a later insertion may evict an entry this call returns
         missing: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
-            if key in self.entries or any(keys[j] == key for group in missing.values() for j in group):
+            if key in found or any(keys[j] == key for group in missing.values() for j in group):
+                continue
+            entry = self.get(key)
+            if entry is not None:
+                found[key] = entry
                 continue
             missing.setdefault(len(chunks[i]), []).append(i)
         self.misses += sum(len(g) for g in missing.values())
@@ -172,8 +195,9 @@ class ChunkStore:
             batch = np.stack([np.concatenate([prefix_tokens, chunks[i]]) for i in group])
             k_pre, k, v = self._encode(batch)
             for row, i in enumerate(group):
-                self.entries[keys[i]] = self._entry(keys[i], chunks[i], k_pre[:, row, P:], k[:, row, P:], v[:, row, P:], P)
-        return [self.entries[key] for key in keys]
+                found[keys[i]] = self._keep(
+                    self._entry(keys[i], chunks[i], k_pre[:, row, P:], k[:, row, P:], v[:, row, P:], P))
+        return [found[key] for key in keys]
 
     def _encode(self, tokens: np.ndarray):
         m = self.model

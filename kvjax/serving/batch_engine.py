@@ -46,6 +46,7 @@ from kvjax.loading import Model
 from kvjax.policies import Policy
 from kvjax.rope import uses_long_factors
 from kvjax.rows import insert_row, pages_held, release_row
+from kvjax.lru import BytesLRU
 from kvjax.serving.prefix_states import PrefixStates
 from kvjax.sampling import sample_first_tokens, validate_sampling
 from kvjax.state import CacheCapacityError, KVState, init_state, overflow_error, pages_for
@@ -136,7 +137,9 @@ class BatchEngine:
     `max_rows`: rows per decode batch; `capacity`: tokens one request may reach (prompt plus new tokens)
     per layer and head; `pool_pages`: pages of each batch's pool (default: `max_rows` full-capacity rows);
     `prefix_cache_bytes`: room for prefill carries at chunk boundaries, reused by requests whose prompts
-    start with the same whole chunks (`kvjax.serving.prefix_states`; 0 turns it off).
+    start with the same whole chunks (`kvjax.serving.prefix_states`; 0 turns it off). That budget is
+    `self.cache`, a `BytesLRU` that RAG chunk caches may share (`kvjax.rag.ChunkStore(model, lru=engine.cache)`),
+    so one least-recently-used order bounds both.
     A request that cannot fit `capacity` is refused at `submit` (ValueError); one that fits but finds no
     free row or too few free pages waits, prefilled, until a row finishes."""
 
@@ -148,7 +151,9 @@ class BatchEngine:
                              f"{steps_per_dispatch}")
         self.model, self.max_rows, self.capacity, self.page_size = model, max_rows, capacity, page_size
         self.pool_pages, self.chunk_size, self.steps = pool_pages, chunk_size, steps_per_dispatch
-        self.prefix = PrefixStates(prefix_cache_bytes) if prefix_cache_bytes else None
+        # one byte budget for prefix carries and whatever else shares it (RAG chunks: ChunkStore(lru=...))
+        self.cache = BytesLRU(prefix_cache_bytes)
+        self.prefix = PrefixStates(lru=self.cache) if prefix_cache_bytes else None
         self.waiting: deque[BatchRequest] = deque()
         self.ready: deque[_Prefilled] = deque()
         self.batches: dict[tuple, _Batch] = {}

@@ -7,7 +7,8 @@ request's carry at the longest such boundary and compute only the rest; the resu
 scratch (the same chunks run; `tests/test_prefix_states.py`). Entries are named by the chained hash of
 their chunks (`kvjax.hashing`, as vLLM's prefix blocks) under a key of what else shapes a prefill (the
 policy, LongRoPE, capacity, page size), stored compactly (`kvjax.rows.narrow_row`: only the pages held)
-and evicted least recently used beyond `max_bytes`.
+and evicted least recently used beyond a byte budget (`kvjax.lru.BytesLRU`, which RAG chunk caches may
+share: `ChunkStore(model, lru=engine.cache)`).
 
 Pages are not shared between the rows of a decode batch: a hit saves prefill compute, not decode-time
 memory. Each row keeps pages of its own because most policies rewrite them after prefill (compression,
@@ -17,7 +18,6 @@ of the last partial page; see docs/design.md.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from kvjax.generation import PrefillCarry
 from kvjax.hashing import chain_hashes
+from kvjax.lru import BytesLRU
 from kvjax.rows import narrow_row
 
 
@@ -50,24 +51,26 @@ class PrefixStats:
 
 
 class PrefixStates:
-    """Prefill carries at chunk boundaries, keyed by `(key, chained hash of the prompt's first chunks)`;
-    least recently used entries go once the entries hold more than `max_bytes`."""
+    """Prefill carries at chunk boundaries, keyed by `(key, chained hash of the prompt's first chunks)`, in a
+    `BytesLRU` of `max_bytes` (or in `lru`, shared with other stores such as `kvjax.rag.ChunkStore`)."""
 
-    def __init__(self, max_bytes: int):
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self.max_bytes = max_bytes
-        self.entries: OrderedDict[tuple, tuple[PrefillCarry, int]] = OrderedDict()
-        self.bytes = 0
+    def __init__(self, max_bytes: int = 0, lru: BytesLRU | None = None):
+        self.lru = lru if lru is not None else BytesLRU(max_bytes)
         self.stats = PrefixStats()
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return sum(1 for k in self.lru.keys() if k[0] == _NAMESPACE)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.lru.size_of(k) for k in self.lru.keys() if k[0] == _NAMESPACE)
+
+    def sizes(self) -> list[int]:
+        return [self.lru.size_of(k) for k in self.lru.keys() if k[0] == _NAMESPACE]
 
     def clear(self) -> None:
         """Drop every entry (the statistics stay)."""
-        self.entries.clear()
-        self.bytes = 0
+        self.lru.remove_if(lambda k: k[0] == _NAMESPACE)
 
     def lookup(self, key: Hashable, prompt: Sequence[int], chunk: int) -> PrefillCarry | None:
         """The carry at the longest chunk boundary of `prompt` (a multiple of `chunk` tokens) that is
@@ -75,32 +78,28 @@ class PrefixStates:
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(prompt)
         for boundary, digest in reversed(list(enumerate(chain_hashes(list(map(int, prompt)), chunk), 1))):
-            entry = self.entries.get((key, digest))
-            if entry is not None:
-                self.entries.move_to_end((key, digest))
+            carry = self.lru.get((_NAMESPACE, key, digest))
+            if carry is not None:
                 self.stats.hits += 1
                 self.stats.hit_tokens += boundary * chunk
-                return entry[0]
+                return carry
         return None
 
     def store(self, key: Hashable, prompt: Sequence[int], chunk: int, carry: PrefillCarry) -> None:
         """Keep a compact copy of `carry`, the prefill of `prompt[:carry.tokens]` in chunks of `chunk` tokens
         (`carry.tokens` a multiple of it), unless it is cached already or alone larger than the cache."""
-        digest = chain_hashes(list(map(int, prompt[: carry.tokens])), chunk)[-1]
-        name = (key, digest)
-        if name in self.entries or self.max_bytes == 0:
-            if name in self.entries:
-                self.entries.move_to_end(name)
+        name = (_NAMESPACE, key, chain_hashes(list(map(int, prompt[: carry.tokens])), chunk)[-1])
+        if name in self.lru:
+            self.lru.get(name)
+            return
+        if self.lru.max_bytes == 0:
             return
         copy = PrefillCarry(narrow_row(carry.state), jax.tree.map(jnp.copy, carry.window), jnp.copy(carry.logits),
                             carry.tokens)
-        size = carry_bytes(copy)
-        if size > self.max_bytes:
-            return
-        self.entries[name] = (copy, size)
-        self.bytes += size
-        self.stats.stored += 1
-        while self.bytes > self.max_bytes:
-            _, (_, dropped) = self.entries.popitem(last=False)
-            self.bytes -= dropped
-            self.stats.evicted += 1
+        evicted = self.lru.evicted
+        if self.lru.put(name, copy, carry_bytes(copy)):
+            self.stats.stored += 1
+        self.stats.evicted += self.lru.evicted - evicted
+
+
+_NAMESPACE = "prefill"

@@ -1,0 +1,61 @@
+"""Entries under a byte budget, least recently used out first: the serving engine's prefix carries
+(`kvjax.serving.prefix_states`) and RAG chunk caches (`kvjax.rag.store`) live in one of these, or share one,
+so a server bounds both with one budget and the coldest entry goes whichever kind it is."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Hashable, Iterator
+
+
+class BytesLRU:
+    """`key -> value` with each entry's size in bytes; inserting past `max_bytes` drops least recently used
+    entries (a `get` or a repeated `put` counts as a use). An entry alone larger than the budget is not
+    kept. Keys of different users sharing one LRU must not collide (prefix them)."""
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self.bytes = 0
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def keys(self) -> Iterator[Hashable]:
+        return iter(list(self._entries))
+
+    def size_of(self, key: Hashable) -> int:
+        return self._entries[key][1]
+
+    def get(self, key: Hashable, default=None):
+        """The value (now the most recently used), or `default`."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return default
+        self._entries.move_to_end(key)
+        return entry[0]
+
+    def put(self, key: Hashable, value, size: int) -> bool:
+        """Insert or replace; returns whether the entry is kept."""
+        if key in self._entries:
+            self.bytes -= self._entries.pop(key)[1]
+        if size > self.max_bytes:
+            return False
+        self._entries[key] = (value, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.bytes -= dropped
+            self.evicted += 1
+        return True
+
+    def remove_if(self, predicate) -> None:
+        """Drop every entry whose key satisfies `predicate`."""
+        for key in [k for k in self._entries if predicate(k)]:
+            self.bytes -= self._entries.pop(key)[1]
