@@ -12,7 +12,13 @@ round-robin so that load on the machine hits all methods alike; median of the re
 computed beforehand (offline, as in the paper); a method's time covers store lookup, assembly (rotation),
 auxiliary scoring, selection, the recomputation and writing the paged KV state.
 
+With `--task real` (for real models, e.g. `--model smollm2-135m`) the prompts are real prose chunks in the
+chat template with cross-chunk facts (`kvjax.tasks.rag_real`): a fact cut at a random token across a
+boundary (straddle), cut right before its value (split), a two-hop question over two chunks (two_hop),
+and the control (inside); scored by RULER's string match. Written as bench_cacheclip_real.*.
+
     python -m eval.bench_cacheclip --model /path/to/trained-model   # --out DIR (default ./kvjax-results/cacheclip)
+    python -m eval.bench_cacheclip --task real --model smollm2-135m --samples 20
     python -m eval.bench_cacheclip --quick                          # a smoke run
 """
 
@@ -76,6 +82,18 @@ def run_method(model, store, request, spec, aux_cache):
     return rag_prefill(model, store, prefix, chunks, query, method, ratio=ratio, max_new_tokens=8, **kwargs)
 
 
+def correct(model, result, tokenizer, meta) -> bool:
+    """Whether the greedy answer is right: real-text requests (`kvjax.tasks.rag_real`) by RULER's string
+    match over `max_new_tokens`, the shipped model's records by exact match of the digits."""
+    from kvjax.rag import greedy_continue
+
+    request = meta.get("request")
+    if request is None:
+        return answer(model, result, tokenizer, len(meta["answer"])) == meta["answer"]
+    tokens = greedy_continue(model, result, request.max_new_tokens)
+    return request.correct(tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True))
+
+
 def answer(model, result, tokenizer, num_digits: int) -> str | None:
     """The greedy answer's digits. The model does not stop after a record's digits (it goes on with more), so
     exactly as many tokens as the answer has digits are decoded."""
@@ -123,6 +141,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=default_out("cacheclip"))
+    parser.add_argument("--task", choices=["records", "real"], default="records",
+                        help="records: the shipped model's synthetic records; real: cross-chunk facts in real text "
+                             "(kvjax.tasks.rag_real: straddle, split, two_hop, inside), for real models")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
@@ -140,12 +161,23 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
 
     sets = {}
-    for name, straddle in (("straddling", True), ("within-chunk", False)):
-        prompts = []
-        for _ in range(args.samples):
-            prefix, chunk_ids, question, meta = rag_prompt(tok, rng, args.chunks, args.chunk_len, args.records, straddle)
-            prompts.append(((prefix, chunk_ids, question), meta))
-        sets[name] = prompts
+    if args.task == "records":
+        for name, straddle in (("straddling", True), ("within-chunk", False)):
+            prompts = []
+            for _ in range(args.samples):
+                prefix, chunk_ids, question, meta = rag_prompt(tok, rng, args.chunks, args.chunk_len, args.records, straddle)
+                prompts.append(((prefix, chunk_ids, question), meta))
+            sets[name] = prompts
+    else:  # real text, every kind of kvjax.tasks.rag_real
+        from kvjax.tasks import rag_real
+
+        for kind in rag_real.KINDS:
+            requests = rag_real.rag_requests(tok, kind, args.samples, rng, num_chunks=args.chunks,
+                                             chunk_len=args.chunk_len)
+            sets[kind] = [((r.prefix, r.chunks, r.query), {"request": r, "after_boundary": r.after_boundary})
+                          for r in requests]
+        prefix = requests[0].prefix
+    first_set = next(iter(sets))
 
     store = ChunkStore(model)
     t0 = time.perf_counter()
@@ -163,14 +195,13 @@ def main(argv=None):
             for name, spec in methods.items():
                 result = run_method(model, store, request, spec, aux_cache)
                 ratio_used[name] = result.recompute_ratio
-                if set_name == "straddling":
-                    r = straddler_recall(result, meta)
-                    if r is not None:
-                        recall.setdefault(name, []).append(r)
-                accuracy[set_name].setdefault(name, []).append(answer(model, result, tok, len(meta["answer"])) == meta["answer"])
+                r = straddler_recall(result, meta)
+                if r is not None:
+                    recall.setdefault(name, []).append(r)
+                accuracy[set_name].setdefault(name, []).append(correct(model, result, tok, meta))
 
     # timing: warm, interleaved, median
-    timing_prompts = [req for req, _ in sets["straddling"][: args.timing_prompts]]
+    timing_prompts = [req for req, _ in sets[first_set][: args.timing_prompts]]
     times: dict = {name: [] for name in methods}
     for _ in tqdm(range(args.repeats), desc="timing"):
         for request in timing_prompts:
@@ -208,7 +239,7 @@ def main(argv=None):
         results[name] = entry
         rows.append([
             name, f"{entry['recompute_ratio']:.0%}" if spec[1] is not None or name == "full" else "0%",
-            f"{entry['accuracy_straddling']:.2f}", f"{entry['accuracy_within-chunk']:.2f}",
+            *(f"{entry[f'accuracy_{s}']:.2f}" for s in sets),
             "" if entry["straddler_recall"] is None else f"{entry['straddler_recall']:.2f}",
             f"{entry['prefill_ms_median']:.1f}", f"{entry['speedup_vs_full']:.2f}x",
         ])
@@ -217,21 +248,22 @@ def main(argv=None):
         "model": args.model,
         "model_config": {"layers": L, "hidden": model.cfg.hidden_size, "heads": model.cfg.num_heads,
                          "kv_heads": model.cfg.num_kv_heads, "head_dim": model.cfg.head_dim},
-        "setup": {"samples_per_set": args.samples, "chunks": args.chunks, "chunk_len": args.chunk_len,
+        "setup": {"task": args.task, "sets": list(sets), "samples_per_set": args.samples, "chunks": args.chunks, "chunk_len": args.chunk_len,
                   "records": args.records, "prefix_tokens": int(len(prefix)), "aux_layers": aux_layers,
                   "timing_prompts": args.timing_prompts, "repeats": args.repeats, "seed": args.seed,
                   "store_form": store.form, "chunk_precompute_s": precompute_s},
         "aux_scoring_ms_median": 1e3 * statistics.median(aux_times),
         "results": results,
     }
-    header = ["method", "recomputed", "acc straddling", "acc within-chunk", "straddler recall", "prefill ms", "speedup vs full"]
+    header = ["method", "recomputed", *(f"acc {s}" for s in sets), "straddler recall", "prefill ms", "speedup vs full"]
     table = markdown_table(header, rows)
-    table += (f"\n{args.samples} prompts per set, {args.chunks} chunks x {args.chunk_len} tokens, {args.records} records; "
+    what = f"{args.records} records" if args.task == "records" else "real text (kvjax.tasks.rag_real), chat template"
+    table += (f"\n{args.samples} prompts per set, {args.chunks} chunks x {args.chunk_len} tokens, {what}; "
               f"auxiliary model = the first {aux_layers} of {L} layers (scoring alone: "
               f"{payload['aux_scoring_ms_median']:.1f} ms median). Prefill: median of {args.repeats} x "
               f"{args.timing_prompts} warm runs, interleaved; {payload['machine'].get('cpu_model', '')}, "
               f"{payload['machine']['cpu_count']} cores, JAX {payload['machine']['jax']} CPU.\n")
-    paths = write_outputs(args.out, "bench_cacheclip", payload, table)
+    paths = write_outputs(args.out, "bench_cacheclip" + ("" if args.task == "records" else "_real"), payload, table)
     plot(payload, paths["json"].replace(".json", ".png"))
     print(table)
     return payload
@@ -244,22 +276,24 @@ def plot(payload: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     results = payload["results"]
+    first = payload["setup"].get("sets", ["straddling"])[0]
     fig, (acc_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     for method, marker in (("cacheclip", "o"), ("cacheblend", "s")):
-        points = sorted((v["ratio"], v["accuracy_straddling"]) for k, v in results.items()
+        points = sorted((v["ratio"], v[f"accuracy_{first}"]) for k, v in results.items()
                         if v["method"] == method and "nogroup" not in k and "aux" not in k)
         acc_ax.plot([100 * r for r, _ in points], [a for _, a in points], marker=marker, label=method)
     for name, style in (("full", "k-"), ("reuse", "r--"), ("ape", "m:")):
-        acc_ax.axhline(results[name]["accuracy_straddling"], color=style[0], linestyle=style[1:], label=name)
+        acc_ax.axhline(results[name][f"accuracy_{first}"], color=style[0], linestyle=style[1:], label=name)
     acc_ax.set_xlabel("recomputed chunk tokens (%)")
-    acc_ax.set_ylabel("exact match, straddling records")
+    acc_ax.set_ylabel(f"accuracy, {first} set")
     acc_ax.set_ylim(-0.02, 1.02)
     acc_ax.legend()
     names = list(results)
     time_ax.barh(names, [results[n]["prefill_ms_median"] for n in names])
     time_ax.set_xlabel("prefill time (ms, median)")
     time_ax.invert_yaxis()
-    fig.suptitle("CacheClip vs baselines: 8 chunks x 256 tokens")
+    setup = payload["setup"]
+    fig.suptitle(f"CacheClip vs baselines: {setup['chunks']} chunks x {setup['chunk_len']} tokens ({setup.get('task', 'records')})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

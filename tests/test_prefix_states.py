@@ -69,6 +69,20 @@ def test_resumed_prefill_equals_prefill_from_scratch(model, cases, case_id):
     np.testing.assert_array_equal(np.asarray(gather_layer(again, 0)[0]), np.asarray(gather_layer(state, 0)[0]))
 
 
+def test_a_prompt_wholly_cached_needs_no_chunk(model, cases):
+    full = cases["full"].policy
+    first, _ = shared_prompts(2)
+    cache = PrefixStates(1 << 30)
+    _prefill(model, first, full, on_chunk=lambda carry: cache.store("k", first, CHUNK, carry))
+    shared = first[: 2 * CHUNK]
+    ran = []
+    state, logits = _prefill(model, shared, full, resume=cache.lookup("k", shared, CHUNK), on_chunk=ran.append)
+    scratch_state, scratch_logits = _prefill(model, shared, full)
+    assert not ran
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(scratch_logits))
+    np.testing.assert_array_equal(np.asarray(gather_layer(state, 1)[1]), np.asarray(gather_layer(scratch_state, 1)[1]))
+
+
 def test_resume_refuses_a_carry_off_the_chunk_grid(model, cases):
     first, second = shared_prompts(2)
     cache = PrefixStates(1 << 30)
