@@ -56,6 +56,8 @@ def method_table(ratios, blend_ratios, aux_layers, tuned_aux: str | None = None)
         for r in ratios:
             table[f"cacheclip-untuned-full@{r:g}"] = ("cacheclip", r, {"aux_layers": aux_layers, "aux_context": "full"})
             table[f"cacheclip-tuned@{r:g}"] = ("cacheclip", r, {"tuned_aux": tuned_aux})
+        # the tuning's own recall is measured on the raw top tokens: the same selection, without window grouping
+        table[f"cacheclip-tuned-nogroup@{0.2:g}"] = ("cacheclip", 0.2, {"tuned_aux": tuned_aux, "grouping": False})
     return table
 
 
