@@ -63,3 +63,9 @@ def test_bad_settings_name_themselves(tokenizer, corpus):
         rag_real.rag_requests(tokenizer, "straddle", 1, 0, num_chunks=1, corpus=corpus)
     with pytest.raises(ValueError, match="no room"):
         rag_real.rag_requests(tokenizer, "two_hop", 1, 0, num_chunks=2, chunk_len=8, corpus=corpus)
+
+
+def test_queries_of_a_kind_share_one_length(tokenizer, corpus):
+    for kind in ("straddle", "two_hop"):
+        lengths = {len(r.query) for r in _requests(tokenizer, corpus, kind, n=6)}
+        assert len(lengths) == 1, lengths  # one compile per kind in the RAG pipeline

@@ -14,7 +14,8 @@ names sit whole inside chunks. The asked fact, by `kind`:
   {value}." in a later one, both whole: the answer needs both, read across chunks at query time;
 - `inside`: the asked fact whole inside one chunk (the control).
 
-Values are 7-digit numbers (RULER's), names adjective-noun pairs (`needles.ADJECTIVES`, `needles.NOUNS`),
+Values are 7-digit numbers (RULER's), names adjective-noun pairs (`needles.ADJECTIVES`, `needles.NOUNS`; the
+asked one among those of the most common token length, so a kind's queries share one length),
 lockers 3-digit numbers; a sample is correct when its value occurs in the generated text (RULER's
 string match). `after_boundary` gives, in the assembled context's slots (prefix, then the chunks), the
 asked fact's tokens after the chunk boundary (`straddle`, `split`): a recomputation that finds them
@@ -84,6 +85,18 @@ def _chunk(window: real_text.Window, chunk_len: int, inserts: list[list[int]], f
     return first + body + filler[last_cut:] + last
 
 
+def askable_names(tokenizer, form: str) -> list[str]:
+    """The adjective-noun names whose question and answer prefix of `form` ("fact" or "two_hop") have the
+    most common token length under `tokenizer`: the asked name is one of them, so every query of a kind
+    has one length and the RAG pipeline compiles once per kind (another length recompiles every method).
+    Distractor names are any."""
+    names = [f"{a}-{n}" for a in needles.ADJECTIVES for n in needles.NOUNS]
+    lengths = np.array([len(_ids(tokenizer, QUESTION[form].format(name=name) + ANSWER_PREFIX[form].format(name=name)))
+                        for name in names])
+    common = np.bincount(lengths).argmax()
+    return [name for name, n in zip(names, lengths) if n == common]
+
+
 def rag_requests(tokenizer, kind: str, num_samples: int, rng: np.random.Generator | int, *, num_chunks: int = 8,
                  chunk_len: int = 256, num_distractors: int = 3, chat: bool = True, corpus=None) -> list[RagRequest]:
     """`num_samples` requests of `kind` (module docstring), each with its own filler windows."""
@@ -92,14 +105,16 @@ def rag_requests(tokenizer, kind: str, num_samples: int, rng: np.random.Generato
     if num_chunks < 2:
         raise ValueError(f"cross-chunk requests need num_chunks >= 2, got {num_chunks}")
     rng = np.random.default_rng(rng)
+    askable = askable_names(tokenizer, "two_hop" if kind == "two_hop" else "fact")
     windows = real_text.windows(tokenizer, chunk_len, num_samples * num_chunks, rng, corpus)
     out = []
     for i in range(num_samples):
-        names: list[str] = []  # a list, not a set: the order must not depend on string hashing
+        name = str(rng.choice(askable))
+        names: list[str] = [name]  # a list, not a set: the order must not depend on string hashing
         while len(names) < num_distractors + 1:
             drawn = f"{rng.choice(needles.ADJECTIVES)}-{rng.choice(needles.NOUNS)}"
             names += [drawn] if drawn not in names else []
-        name, *others = names
+        others = names[1:]
         value = str(int(rng.integers(1_000_000, 10_000_000)))
         wins = windows[i * num_chunks : (i + 1) * num_chunks]
         inserts: list[list[list[int]]] = [[] for _ in range(num_chunks)]
