@@ -28,13 +28,19 @@ def pages_held(state: KVState, row: int = 0) -> int:
 
 
 @functools.partial(jax.jit, donate_argnames=("batch",))
-def insert_row(batch: KVState, row: KVState, slot: jax.Array) -> KVState:
+def insert_row(batch: KVState, row: KVState, slot: jax.Array, share_from: jax.Array = -1,
+               shared_pages: jax.Array = 0) -> KVState:
     """Copy sequence 0 of `row` (a one-sequence state of the same model, page size and page dtype) into row
     `slot` (int32[], a row holding no pages) of `batch`, on pages taken from `batch`'s free stack: K/V (and
     scales), min/max, positions, scores, lengths, the eviction hole and the next position. A narrower row
     table is padded; a wider one is cut to `batch`'s width, so its pages past that width must be empty
     (`narrow_row` relies on it). When the pool has too few free pages nothing is copied and `overflow`
-    records it (check `pages_held(row)` against `batch.num_free` first). Donates `batch`."""
+    records it (check `pages_held(row)` against `batch.num_free` first). Donates `batch`.
+
+    Prefix sharing: with `share_from` (int32[], a live row of `batch`) and `shared_pages` (int32[]), the
+    first `shared_pages` logical pages of every (layer, head) are not copied but point at `share_from`'s
+    physical pages, whose refcounts grow by one; the caller guarantees those pages hold the same slots
+    (the same whole-page prefix, prefilled the same way) and that no policy rewrites them."""
     N = batch.num_pages
     L, _, H, Pr = row.page_table.shape
     bL, _, bH, P = batch.page_table.shape
@@ -44,8 +50,11 @@ def insert_row(batch: KVState, row: KVState, slot: jax.Array) -> KVState:
     if batch.k_pages.dtype != row.k_pages.dtype:
         raise ValueError(f"row pages are {row.k_pages.dtype}, the batch's {batch.k_pages.dtype}")
     table = row.page_table[:, 0, :, :P]
-    table = jnp.pad(table, ((0, 0), (0, 0), (0, P - table.shape[-1])), constant_values=-1).reshape(-1)  # [L*H*P]
-    held = table >= 0
+    table = jnp.pad(table, ((0, 0), (0, 0), (0, P - table.shape[-1])), constant_values=-1)  # [L, H, P]
+    source = batch.page_table[:, jnp.clip(share_from, 0, batch.page_table.shape[1] - 1)]  # [L, H, P]
+    shared = (table >= 0) & (jnp.arange(P) < shared_pages) & (share_from >= 0) & (source >= 0)
+    table, shared, source = table.reshape(-1), shared.reshape(-1), source.reshape(-1)  # [L*H*P]
+    held = (table >= 0) & ~shared  # pages to copy
     need = jnp.sum(held)
     ok = need <= batch.num_free
     rank = jnp.cumsum(held) - 1
@@ -57,18 +66,20 @@ def insert_row(batch: KVState, row: KVState, slot: jax.Array) -> KVState:
         for name in _PAGE_FIELDS
         if getattr(batch, name) is not None
     }
-    new_table = jnp.where(held, dst, -1).reshape(L, H, P)
+    new_table = jnp.where(shared, source, jnp.where(held, dst, -1)).reshape(L, H, P)
     first_failure = ~ok & (batch.overflow[0] == OVERFLOW_NONE)
     overflow = jnp.where(first_failure, jnp.stack([OVERFLOW_POOL, need, batch.num_free]).astype(jnp.int32),
                          batch.overflow)
     keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+    refcount = batch.refcount.at[dst].set(1, mode="drop")
+    refcount = refcount.at[jnp.where(shared & ok, source, N)].add(1, mode="drop")
     return batch.replace(
         **copies,
         page_table=batch.page_table.at[:, slot].set(keep(new_table, batch.page_table[:, slot])),
         lengths=batch.lengths.at[:, slot].set(keep(row.lengths[:, 0], batch.lengths[:, slot])),
         hole=batch.hole.at[:, slot].set(keep(row.hole[:, 0], batch.hole[:, slot])),
         next_position=batch.next_position.at[slot].set(keep(row.next_position[0], batch.next_position[slot])),
-        refcount=batch.refcount.at[dst].set(1, mode="drop"),
+        refcount=refcount,
         num_free=batch.num_free - jnp.where(ok, need, 0),
         overflow=overflow,
     )
@@ -108,10 +119,13 @@ def narrow_row(state: KVState) -> KVState:
 
 @functools.partial(jax.jit, donate_argnames=("batch",))
 def release_row(batch: KVState, slot: jax.Array) -> KVState:
-    """Return every page of row `slot` (int32[]) of `batch` to the free stack and empty the row. Donates
-    `batch`."""
-    table = batch.page_table[:, slot]  # [L, H, P]
-    batch = push_free(batch, table, table >= 0)
+    """Drop row `slot`'s (int32[]) reference to each of its pages, return those no other row shares to the
+    free stack, and empty the row. Donates `batch`."""
+    table = batch.page_table[:, slot].reshape(-1)  # [L*H*P]
+    held = table >= 0
+    N = batch.num_pages
+    refcount = batch.refcount.at[jnp.where(held, table, N)].add(-1, mode="drop")
+    batch = push_free(batch.replace(refcount=refcount), table, held & (refcount[jnp.clip(table, 0, N - 1)] <= 0))
     return batch.replace(
         page_table=batch.page_table.at[:, slot].set(-1),
         lengths=batch.lengths.at[:, slot].set(0),

@@ -133,3 +133,54 @@ def test_least_recently_used_entries_go_past_the_byte_budget(model, cases):
     assert cache.lookup("k", second, CHUNK) is not None
     with pytest.raises(ValueError, match="max_bytes"):
         PrefixStates(-1)
+
+
+@pytest.mark.parametrize("case_id", ["full", "quest"])
+def test_rows_share_a_live_rows_prefix_pages(model, cases, case_id):
+    """Policies that never rewrite a row's pages share whole-page prefixes between live rows: fewer pages,
+    the same tokens as `generate`, every page back on the free stack at the end."""
+    policy = cases[case_id].policy
+    rows = shared_prompts(4, seed=7)
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=CHUNK,
+                         steps_per_dispatch=4)
+    ids = [engine.submit(r, 6, policy, eos_token_id=-1) for r in rows]
+    out = engine.run()
+    for rid, row in zip(ids, rows):
+        tokens = kvjax.generate(model, [row], 6, policy, page_size=PAGE_SIZE, capacity=CAPACITY, chunk_size=CHUNK,
+                                eos_token_id=-1)[0]
+        assert out[rid].tokens == tokens.tolist()
+    per_row = model.cfg.num_layers * model.cfg.num_kv_heads * (2 * CHUNK // PAGE_SIZE)
+    assert engine.shared_pages >= per_row and engine.shared_pages % per_row == 0
+    assert engine.leaked_pages == 0
+
+
+def test_evicting_policies_do_not_share_pages(model, cases):
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=CHUNK)
+    for row in shared_prompts(2, seed=7):
+        engine.submit(row, 3, cases["h2o"].policy, eos_token_id=-1)
+    engine.run()
+    assert engine.shared_pages == 0 and engine.prefix.stats.hits == 1 and engine.leaked_pages == 0
+
+
+def test_a_shared_page_is_freed_by_its_last_row(model):
+    from kvjax.rows import insert_row, release_row
+    from kvjax.state import init_state
+
+    first, second = shared_prompts(2)
+    full = kvjax.make_policy("full")
+    one, _ = _prefill(model, first, full)
+    two, _ = _prefill(model, second, full)
+    batch = init_state(model.cfg, 2, CAPACITY, PAGE_SIZE)
+    N = batch.num_pages
+    batch = insert_row(batch, one, np.int32(0))
+    used_one = N - int(batch.num_free)
+    batch = insert_row(batch, two, np.int32(1), np.int32(0), np.int32(2 * CHUNK // PAGE_SIZE))
+    shared = model.cfg.num_layers * model.cfg.num_kv_heads * (2 * CHUNK // PAGE_SIZE)
+    assert N - int(batch.num_free) == used_one + int(np.sum(np.asarray(two.page_table) >= 0)) - shared
+    k_one, k_two = gather_layer(batch, 1)[0], gather_layer(two, 1)[0]
+    np.testing.assert_array_equal(np.asarray(k_one[1]), np.asarray(k_two[0]))  # row 1 reads what it prefilled
+    batch = release_row(batch, np.int32(0))  # the shared pages stay: row 1 still holds them
+    assert int(np.max(np.asarray(batch.refcount))) == 1
+    np.testing.assert_array_equal(np.asarray(gather_layer(batch, 1)[0][1]), np.asarray(k_two[0]))
+    batch = release_row(batch, np.int32(1))
+    assert int(batch.num_free) == N and not np.asarray(batch.refcount).any()

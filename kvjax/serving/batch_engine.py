@@ -46,6 +46,7 @@ from kvjax.loading import Model
 from kvjax.policies import Policy
 from kvjax.rope import uses_long_factors
 from kvjax.rows import insert_row, pages_held, release_row
+from kvjax.hashing import chain_hashes
 from kvjax.lru import BytesLRU
 from kvjax.serving.prefix_states import PrefixStates
 from kvjax.sampling import sample_first_tokens, validate_sampling
@@ -96,6 +97,7 @@ class _Prefilled:
     pending: int  # the first sampled token, not yet appended
     key: jax.Array  # the request's PRNG key after the first split
     long_rope: bool
+    boundaries: list = field(default_factory=list)  # (tokens, chained hash) of the prompt's whole chunks
 
 
 class _Batch:
@@ -114,6 +116,21 @@ class _Batch:
         self.pending = np.zeros(R, np.int32)
         self.keys = jnp.zeros((R, 2), jnp.uint32)
         self.rows: list[BatchRequest | None] = [None] * R
+        # rows whose pages never change after prefill (no compression, no decode-time eviction, no scores)
+        # share their whole-page prefixes: chained hash of a prompt's first chunks -> (row, tokens)
+        self.shares = not (self.policy.compresses or self.policy.evicts_while_decoding)
+        self.prefixes: dict[bytes, tuple[int, int]] = {}
+
+    def shared_prefix(self, boundaries: list, page_size: int) -> tuple[int, int]:
+        """(a live row holding the longest of `boundaries`, its whole pages per head), or (-1, 0)."""
+        if self.shares:
+            for tokens, digest in reversed(boundaries):
+                if digest in self.prefixes and tokens % page_size == 0:
+                    return self.prefixes[digest][0], tokens // page_size
+        return -1, 0
+
+    def forget_row(self, slot: int) -> None:
+        self.prefixes = {d: v for d, v in self.prefixes.items() if v[0] != slot}
 
     def free_row(self) -> int | None:
         return next((i for i, r in enumerate(self.rows) if r is None), None)
@@ -162,6 +179,7 @@ class BatchEngine:
         self._turn = 0
         self.dispatches = 0
         self.leaked_pages = 0
+        self.shared_pages = 0  # pages rows did not copy because a live row of their batch held their prefix
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -258,6 +276,8 @@ class BatchEngine:
         model, prompt, tail = self.model, request.prompt, request.decode_last
         declared = len(prompt) + request.max_new_tokens
         head = prompt[: len(prompt) - tail]
+        boundaries = [((i + 1) * self.chunk_size, d)
+                      for i, d in enumerate(chain_hashes([int(t) for t in head], self.chunk_size))]
         resume = on_chunk = None
         if self.prefix is not None and not (request.policy.compresses and request.policy.chunks is not None):
             # what else shapes the prefill's carry (capacity, page size and chunk are the engine's)
@@ -269,9 +289,10 @@ class BatchEngine:
             request.max_new_tokens + tail, resume=resume, on_chunk=on_chunk,
         )
         state, logits = feed_tokens(model, state, logits, [prompt[len(prompt) - tail:]], request.policy)
-        self._sample_first(request, state, logits, uses_long_factors(model.cfg, declared))
+        self._sample_first(request, state, logits, uses_long_factors(model.cfg, declared), boundaries)
 
-    def _sample_first(self, request: BatchRequest, state: KVState, logits: jax.Array, long_rope: bool) -> None:
+    def _sample_first(self, request: BatchRequest, state: KVState, logits: jax.Array, long_rope: bool,
+                      boundaries: list | None = None) -> None:
         """The first token from the prefill's logits (as `generate` samples it); the request then waits for a
         row unless that token ended it."""
         key, step_key = jax.random.split(jax.random.PRNGKey(request.seed))
@@ -280,7 +301,7 @@ class BatchEngine:
         first = int(token[0])
         if self._emit(request, [first], [float(logprob[0])]):
             return
-        self.ready.append(_Prefilled(request, state, logits, first, key, long_rope))
+        self.ready.append(_Prefilled(request, state, logits, first, key, long_rope, boundaries or []))
 
     def _insert_ready(self) -> None:
         still = deque()
@@ -291,12 +312,18 @@ class BatchEngine:
                 self.batches[key] = _Batch(self, key[:-1], item.long_rope)
             batch = self.batches[key]
             slot = batch.free_row()
-            if slot is None or pages_held(item.state) > int(batch.state.num_free):
+            source, shared = batch.shared_prefix(item.boundaries, self.page_size)
+            cfg = self.model.cfg
+            if slot is None or pages_held(item.state) - shared * cfg.num_layers * cfg.num_kv_heads > int(batch.state.num_free):
                 still.append(item)
                 continue
             batch.widen_reads(item.state.read_pages)
             # the row's own read bounds are static data: dropped, so one insert program serves every row
-            batch.state = insert_row(batch.state, item.state.replace(read_pages=None), jnp.int32(slot))
+            batch.state = insert_row(batch.state, item.state.replace(read_pages=None), jnp.int32(slot),
+                                     jnp.int32(source), jnp.int32(shared))
+            self.shared_pages += shared * cfg.num_layers * cfg.num_kv_heads
+            if batch.shares:
+                batch.prefixes.update({digest: (slot, tokens) for tokens, digest in item.boundaries})
             batch.logits = batch.logits.at[slot].set(item.logits[0])
             batch.pending[slot] = item.pending
             batch.keys = batch.keys.at[slot].set(item.key)
@@ -329,6 +356,7 @@ class BatchEngine:
             if self._emit(request, tokens[slot][got].tolist(), logprobs[slot][got].tolist()):
                 batch.state = release_row(batch.state, jnp.int32(slot))
                 batch.rows[slot] = None
+                batch.forget_row(slot)
 
     def _emit(self, request: BatchRequest, tokens: list[int], logprobs: list[float]) -> bool:
         """Record new tokens; returns whether the request finished."""

@@ -10,10 +10,9 @@ policy, LongRoPE, capacity, page size), stored compactly (`kvjax.rows.narrow_row
 and evicted least recently used beyond a byte budget (`kvjax.lru.BytesLRU`, which RAG chunk caches may
 share: `ChunkStore(model, lru=engine.cache)`).
 
-Pages are not shared between the rows of a decode batch: a hit saves prefill compute, not decode-time
-memory. Each row keeps pages of its own because most policies rewrite them after prefill (compression,
-decode-time eviction, H2O's scores), and an uncompressed row's shared pages would need copy-on-write
-of the last partial page; see docs/design.md.
+The batch engine also shares pages between live rows of one batch for policies that never rewrite them
+(full, Quest): a row inserted while another holds the same whole-chunk prefix points at that row's pages
+(`kvjax.rows.insert_row(..., share_from, shared_pages)`); see docs/design.md.
 """
 
 from __future__ import annotations
