@@ -17,6 +17,11 @@ default; when a batch is dropped every page must be back on its free stack (`lea
 that are not). Tokens equal `generate`'s
 for the same prompt, policy and seed (`tests/test_batch_engine.py`).
 
+Prompts sharing whole prefill chunks share work: a request's prefill resumes from the carry cached at the
+longest shared chunk boundary (`kvjax.serving.prefix_states`), and under a policy that never rewrites a
+row's pages (full, Quest) a row inserted while another live row of its batch holds that prefix shares its
+pages (refcounted; `tests/test_prefix_states.py`).
+
     engine = BatchEngine(model, max_rows=8, capacity=2048)
     rid = engine.submit(prompt_ids, max_new_tokens=32, policy=make_policy("snapkv", token_budget=256))
     outputs = engine.run()             # request id -> BatchRequest (tokens, logprobs, finish_reason)
@@ -42,12 +47,12 @@ from kvjax.generation import (
     policy_or_full,
     prefill_rows,
 )
+from kvjax.hashing import chain_hashes
 from kvjax.loading import Model
+from kvjax.lru import BytesLRU
 from kvjax.policies import Policy
 from kvjax.rope import uses_long_factors
 from kvjax.rows import insert_row, pages_held, release_row
-from kvjax.hashing import chain_hashes
-from kvjax.lru import BytesLRU
 from kvjax.serving.prefix_states import PrefixStates
 from kvjax.sampling import sample_first_tokens, validate_sampling
 from kvjax.state import CacheCapacityError, KVState, init_state, overflow_error, pages_for
