@@ -285,8 +285,9 @@ class BatchEngine:
                       for i, d in enumerate(chain_hashes([int(t) for t in head], self.chunk_size))]
         resume = on_chunk = None
         if self.prefix is not None and not (request.policy.compresses and request.policy.chunks is not None):
-            # what else shapes the prefill's carry (capacity, page size and chunk are the engine's)
-            key = (request.policy, uses_long_factors(model.cfg, declared))
+            # what else shapes the prefill's carry (the model is the engine's)
+            key = (request.policy, uses_long_factors(model.cfg, declared), self.capacity, self.page_size,
+                   self.chunk_size, str(model.cache_dtype))
             resume = self.prefix.lookup(key, head, self.chunk_size)
             on_chunk = lambda carry: self.prefix.store(key, head, self.chunk_size, carry)  # noqa: E731
         state, logits = prefill_rows(
