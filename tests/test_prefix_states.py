@@ -8,24 +8,13 @@ import numpy as np
 import pytest
 
 import kvjax
-from _sharding_worker import VOCAB, tiny_model
+from _sharding_worker import VOCAB
 from kvjax.generation import prefill_rows
 from kvjax.serving.batch_engine import BatchEngine
-from kvjax.serving.prefix_states import PrefixStates
+from kvjax.serving.prefix_states import PrefixStates, chunk_boundaries
 from kvjax.state import gather_layer
-from policy_cases import matrix_cases
-
-PAGE_SIZE, CAPACITY, CHUNK = 8, 128, 32
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def cases(model):
-    return {case.id: case for case in matrix_cases(model.cfg, page_size=PAGE_SIZE)}
+# the engine tests' shapes and fixtures: one prefill program per policy serves both modules
+from test_batch_engine import CAPACITY, CHUNK, PAGE_SIZE, cases, model  # noqa: F401
 
 
 def shared_prompts(count: int, shared: int = 2 * CHUNK, seed: int = 0) -> list[list[int]]:
@@ -33,6 +22,10 @@ def shared_prompts(count: int, shared: int = 2 * CHUNK, seed: int = 0) -> list[l
     rng = np.random.default_rng(seed)
     system = rng.integers(0, VOCAB, size=shared).tolist()
     return [system + rng.integers(0, VOCAB, size=int(rng.integers(5, 40))).tolist() for _ in range(count)]
+
+
+def _at(prompt):
+    return chunk_boundaries(prompt, CHUNK)
 
 
 def _prefill(model, prompt, policy, **reuse):
@@ -45,9 +38,9 @@ def test_resumed_prefill_equals_prefill_from_scratch(model, cases, case_id):
     policy = cases[case_id].policy
     first, second = shared_prompts(2)
     cache = PrefixStates(1 << 30)
-    _prefill(model, first, policy, on_chunk=lambda carry: cache.store("k", first, CHUNK, carry))
+    _prefill(model, first, policy, on_chunk=lambda carry: cache.store("k", _at(first), carry))
     assert len(cache) == len(first) // CHUNK  # one entry per whole chunk of the first prompt
-    resume = cache.lookup("k", second, CHUNK)
+    resume = cache.lookup("k", _at(second), len(second))
     assert resume is not None and resume.tokens == 2 * CHUNK  # the shared chunks, not the first's own third
     scratch_state, scratch_logits = _prefill(model, second, policy)
     boundaries = []
@@ -61,11 +54,11 @@ def test_resumed_prefill_equals_prefill_from_scratch(model, cases, case_id):
     # the carry is what the prefill starts from: another prefix's carry gives other logits
     other = PrefixStates(1 << 30)
     stranger = shared_prompts(1, seed=5)[0]
-    _prefill(model, stranger, policy, on_chunk=lambda carry: other.store("k", stranger, CHUNK, carry))
-    assert not np.array_equal(np.asarray(_prefill(model, second, policy, resume=other.lookup(
-        "k", stranger[: 2 * CHUNK], CHUNK))[1]), np.asarray(scratch_logits))
+    _prefill(model, stranger, policy, on_chunk=lambda carry: other.store("k", _at(stranger), carry))
+    wrong = other.lookup("k", _at(stranger[: 2 * CHUNK]), 2 * CHUNK)
+    assert not np.array_equal(np.asarray(_prefill(model, second, policy, resume=wrong)[1]), np.asarray(scratch_logits))
     # the cached entry survived the resumed prefill's donations and still serves
-    again, _ = _prefill(model, second, policy, resume=cache.lookup("k", second, CHUNK))
+    again, _ = _prefill(model, second, policy, resume=cache.lookup("k", _at(second), len(second)))
     np.testing.assert_array_equal(np.asarray(gather_layer(again, 0)[0]), np.asarray(gather_layer(state, 0)[0]))
 
 
@@ -73,10 +66,10 @@ def test_a_prompt_wholly_cached_needs_no_chunk(model, cases):
     full = cases["full"].policy
     first, _ = shared_prompts(2)
     cache = PrefixStates(1 << 30)
-    _prefill(model, first, full, on_chunk=lambda carry: cache.store("k", first, CHUNK, carry))
+    _prefill(model, first, full, on_chunk=lambda carry: cache.store("k", _at(first), carry))
     shared = first[: 2 * CHUNK]
     ran = []
-    state, logits = _prefill(model, shared, full, resume=cache.lookup("k", shared, CHUNK), on_chunk=ran.append)
+    state, logits = _prefill(model, shared, full, resume=cache.lookup("k", _at(shared), len(shared)), on_chunk=ran.append)
     scratch_state, scratch_logits = _prefill(model, shared, full)
     assert not ran
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(scratch_logits))
@@ -87,25 +80,31 @@ def test_resume_refuses_a_carry_off_the_chunk_grid(model, cases):
     first, second = shared_prompts(2)
     cache = PrefixStates(1 << 30)
     full = cases["full"].policy
-    _prefill(model, first, full, on_chunk=lambda carry: cache.store("k", first, CHUNK, carry))
-    carry = cache.lookup("k", second, CHUNK)
+    _prefill(model, first, full, on_chunk=lambda carry: cache.store("k", _at(first), carry))
+    carry = cache.lookup("k", _at(second), len(second))
     with pytest.raises(ValueError, match="cannot resume after 50 tokens"):
         _prefill(model, second, full, resume=carry._replace(tokens=50))
     with pytest.raises(ValueError, match="chunk schedule"):
         _prefill(model, second, cases["locret"].policy, resume=carry)
 
 
+def _serve_like_generate(model, policy, rows, max_new=6) -> BatchEngine:
+    """Serve `rows` through a 2-row engine and check each request's tokens against `generate` alone."""
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=CHUNK,
+                         steps_per_dispatch=4)
+    ids = [engine.submit(r, max_new, policy, eos_token_id=-1) for r in rows]
+    out = engine.run()
+    for rid, row in zip(ids, rows):
+        tokens = kvjax.generate(model, [row], max_new, policy, page_size=PAGE_SIZE, capacity=CAPACITY,
+                                chunk_size=CHUNK, eos_token_id=-1)[0]
+        assert out[rid].tokens == tokens.tolist()
+    return engine
+
+
 def test_engine_reuses_shared_prefixes_with_generates_tokens(model, cases):
     policy = cases["snapkv"].policy
     rows = shared_prompts(4)
-    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=CHUNK,
-                         steps_per_dispatch=4)
-    ids = [engine.submit(r, 6, policy, eos_token_id=-1) for r in rows]
-    out = engine.run()
-    for rid, row in zip(ids, rows):
-        tokens = kvjax.generate(model, [row], 6, policy, page_size=PAGE_SIZE, capacity=CAPACITY, chunk_size=CHUNK,
-                                eos_token_id=-1)[0]
-        assert out[rid].tokens == tokens.tolist()
+    engine = _serve_like_generate(model, policy, rows)
     stats = engine.prefix.stats
     assert stats.hits == 3 and stats.hit_tokens == 3 * 2 * CHUNK  # every request after the first skips 2 chunks
     assert engine.leaked_pages == 0
@@ -123,14 +122,14 @@ def test_least_recently_used_entries_go_past_the_byte_budget(model, cases):
     full = cases["full"].policy
     first, second = shared_prompts(2, seed=1), shared_prompts(2, seed=2)[0]
     probe = PrefixStates(1 << 30)
-    _prefill(model, first[0], full, on_chunk=lambda carry: probe.store("k", first[0], CHUNK, carry))
+    _prefill(model, first[0], full, on_chunk=lambda carry: probe.store("k", _at(first[0]), carry))
     one_chunk = min(probe.sizes())
     cache = PrefixStates(3 * one_chunk)  # room for the one- and two-chunk entries of one prompt, not more
-    _prefill(model, first[0], full, on_chunk=lambda carry: cache.store("k", first[0], CHUNK, carry))
-    assert cache.lookup("k", first[1], CHUNK).tokens == 2 * CHUNK  # touched: now the most recent
-    _prefill(model, second, full, on_chunk=lambda carry: cache.store("k", second, CHUNK, carry))
+    _prefill(model, first[0], full, on_chunk=lambda carry: cache.store("k", _at(first[0]), carry))
+    assert cache.lookup("k", _at(first[1]), len(first[1])).tokens == 2 * CHUNK  # touched: now the most recent
+    _prefill(model, second, full, on_chunk=lambda carry: cache.store("k", _at(second), carry))
     assert cache.bytes <= cache.lru.max_bytes and cache.stats.evicted >= 1
-    assert cache.lookup("k", second, CHUNK) is not None
+    assert cache.lookup("k", _at(second), len(second)) is not None
     with pytest.raises(ValueError, match="max_bytes"):
         PrefixStates(-1)
 
@@ -141,14 +140,7 @@ def test_rows_share_a_live_rows_prefix_pages(model, cases, case_id):
     the same tokens as `generate`, every page back on the free stack at the end."""
     policy = cases[case_id].policy
     rows = shared_prompts(4, seed=7)
-    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=CHUNK,
-                         steps_per_dispatch=4)
-    ids = [engine.submit(r, 6, policy, eos_token_id=-1) for r in rows]
-    out = engine.run()
-    for rid, row in zip(ids, rows):
-        tokens = kvjax.generate(model, [row], 6, policy, page_size=PAGE_SIZE, capacity=CAPACITY, chunk_size=CHUNK,
-                                eos_token_id=-1)[0]
-        assert out[rid].tokens == tokens.tolist()
+    engine = _serve_like_generate(model, policy, rows)
     per_row = model.cfg.num_layers * model.cfg.num_kv_heads * (2 * CHUNK // PAGE_SIZE)
     assert engine.shared_pages >= per_row and engine.shared_pages % per_row == 0
     assert engine.leaked_pages == 0

@@ -47,13 +47,12 @@ from kvjax.generation import (
     policy_or_full,
     prefill_rows,
 )
-from kvjax.hashing import chain_hashes
 from kvjax.loading import Model
 from kvjax.lru import BytesLRU
 from kvjax.policies import Policy
 from kvjax.rope import uses_long_factors
 from kvjax.rows import insert_row, pages_held, release_row
-from kvjax.serving.prefix_states import PrefixStates
+from kvjax.serving.prefix_states import PrefixStates, chunk_boundaries
 from kvjax.sampling import sample_first_tokens, validate_sampling
 from kvjax.state import CacheCapacityError, KVState, init_state, overflow_error, pages_for
 from kvjax.step import LOCAL_BACKEND
@@ -281,15 +280,14 @@ class BatchEngine:
         model, prompt, tail = self.model, request.prompt, request.decode_last
         declared = len(prompt) + request.max_new_tokens
         head = prompt[: len(prompt) - tail]
-        boundaries = [((i + 1) * self.chunk_size, d)
-                      for i, d in enumerate(chain_hashes([int(t) for t in head], self.chunk_size))]
+        boundaries = chunk_boundaries(head, self.chunk_size)
         resume = on_chunk = None
         if self.prefix is not None and not (request.policy.compresses and request.policy.chunks is not None):
             # what else shapes the prefill's carry (the model is the engine's)
             key = (request.policy, uses_long_factors(model.cfg, declared), self.capacity, self.page_size,
                    self.chunk_size, str(model.cache_dtype))
-            resume = self.prefix.lookup(key, head, self.chunk_size)
-            on_chunk = lambda carry: self.prefix.store(key, head, self.chunk_size, carry)  # noqa: E731
+            resume = self.prefix.lookup(key, boundaries, len(head))
+            on_chunk = lambda carry: self.prefix.store(key, boundaries, carry)  # noqa: E731
         state, logits = prefill_rows(
             model, [head], request.policy, self.page_size, self.capacity, self.chunk_size, declared,
             request.max_new_tokens + tail, resume=resume, on_chunk=on_chunk,

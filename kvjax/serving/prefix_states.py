@@ -29,6 +29,12 @@ from kvjax.lru import BytesLRU
 from kvjax.rows import narrow_row
 
 
+def chunk_boundaries(prompt: Sequence[int], chunk: int) -> list[tuple[int, bytes]]:
+    """`(tokens, chained hash of prompt[:tokens])` at every whole chunk of `prompt`: computed once per
+    prompt, used for lookup, storing and page sharing."""
+    return [((i + 1) * chunk, digest) for i, digest in enumerate(chain_hashes([int(t) for t in prompt], chunk))]
+
+
 def carry_bytes(carry: PrefillCarry) -> int:
     """Device bytes an entry holds."""
     return sum(x.nbytes for x in jax.tree.leaves((carry.state, carry.window, carry.logits)))
@@ -71,23 +77,23 @@ class PrefixStates:
         """Drop every entry (the statistics stay)."""
         self.lru.remove_if(lambda k: k[0] == _NAMESPACE)
 
-    def lookup(self, key: Hashable, prompt: Sequence[int], chunk: int) -> PrefillCarry | None:
-        """The carry at the longest chunk boundary of `prompt` (a multiple of `chunk` tokens) that is
-        cached under `key`, or None."""
+    def lookup(self, key: Hashable, boundaries: Sequence[tuple[int, bytes]], prompt_tokens: int) -> PrefillCarry | None:
+        """The carry at the longest of a prompt's chunk `boundaries` (`chunk_boundaries`) cached under `key`,
+        or None; `prompt_tokens` (the prompt's length) feeds the hit rate."""
         self.stats.lookups += 1
-        self.stats.prompt_tokens += len(prompt)
-        for boundary, digest in reversed(list(enumerate(chain_hashes(list(map(int, prompt)), chunk), 1))):
+        self.stats.prompt_tokens += prompt_tokens
+        for tokens, digest in reversed(boundaries):
             carry = self.lru.get((_NAMESPACE, key, digest))
             if carry is not None:
                 self.stats.hits += 1
-                self.stats.hit_tokens += boundary * chunk
+                self.stats.hit_tokens += tokens
                 return carry
         return None
 
-    def store(self, key: Hashable, prompt: Sequence[int], chunk: int, carry: PrefillCarry) -> None:
-        """Keep a compact copy of `carry`, the prefill of `prompt[:carry.tokens]` in chunks of `chunk` tokens
-        (`carry.tokens` a multiple of it), unless it is cached already or alone larger than the cache."""
-        name = (_NAMESPACE, key, chain_hashes(list(map(int, prompt[: carry.tokens])), chunk)[-1])
+    def store(self, key: Hashable, boundaries: Sequence[tuple[int, bytes]], carry: PrefillCarry) -> None:
+        """Keep a compact copy of `carry`, the prefill up to one of the prompt's chunk `boundaries`
+        (`carry.tokens`), unless it is cached already or alone larger than the cache."""
+        name = (_NAMESPACE, key, dict(boundaries)[carry.tokens])
         if name in self.lru:
             self.lru.get(name)
             return
