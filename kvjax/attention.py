@@ -12,6 +12,14 @@ from kvjax.state import KVState, gather_layer
 MASKED = -1e30  # finite, so fully masked rows (padding queries) stay NaN-free
 
 
+def visible_keys(key_positions: jax.Array, query_positions: jax.Array, window=0) -> jax.Array:
+    """Causal visibility, broadcast: a query at p sees keys at positions <= p, and with a sliding `window`
+    w > 0 (an int or a traced int32 scalar; 0 = none) only those after p - w (HF's Mistral / Gemma-2 mask:
+    p - w + 1 .. p). Positions of empty slots (-1) must be masked by the caller's validity."""
+    causal = key_positions <= query_positions
+    return causal & ((window == 0) | (key_positions > query_positions - window))
+
+
 def grouped_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
     """`q [B, T, Hq, D]` -> `[B, T, H, G, D]`: query head h*G + g reads kv head h (HF's repeat_kv order)."""
     B, T, Hq, D = q.shape
@@ -20,9 +28,10 @@ def grouped_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
 
 
 def dense_causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None, block: int = 256
+    q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None, block: int = 256, window=0
 ) -> jax.Array:
-    """q `[B, T, Hq, D]`, k/v `[B, T, H, D]` -> `[B, T, Hq, D]`, causal over T.
+    """q `[B, T, Hq, D]`, k/v `[B, T, H, D]` -> `[B, T, Hq, D]`, causal over T (within a sliding `window`
+    when it is > 0, `visible_keys`).
 
     Queries go in blocks of `block` rows, each against the keys up to its last row only, so the masked
     upper triangle is mostly never computed (about half the work at long T). Measured on this project's
@@ -38,7 +47,7 @@ def dense_causal_attention(
     for start in range(0, T, block):
         end = min(start + block, T)
         scores = jnp.einsum("bthd,bshd->bhts", q[:, start:end], k_rep[:, :end], preferred_element_type=jnp.float32)
-        causal = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
+        causal = visible_keys(jnp.arange(end)[None, :], jnp.arange(start, end)[:, None], window)
         probs = jax.nn.softmax(jnp.where(causal, scores * scale, MASKED), axis=-1)
         outs.append(jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v_rep[:, :end]))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
@@ -66,13 +75,16 @@ def masked_attention(
 
 def paged_attention(
     q: jax.Array, q_positions: jax.Array, state: KVState, layer, scale: float | None = None,
-    return_probs: bool = False,
+    return_probs: bool = False, window=0,
 ):
     """Queries `q [B, T, Hq, D]` at `q_positions int32[B, T]` over every valid slot of `layer` whose original
-    position is not after the query's (so a chunk is causal within itself). Returns `[B, T, Hq, D]`, and
-    with `return_probs` also the probabilities `f32[B, H, G, T, S]` in `gather_layer`'s slot order."""
+    position is not after the query's (so a chunk is causal within itself) and, with a `window`, inside it.
+    Returns `[B, T, Hq, D]`, and with `return_probs` also the probabilities `f32[B, H, G, T, S]` in
+    `gather_layer`'s slot order."""
     k, v, slot_pos, valid = gather_layer(state, layer)  # [B, H, S, D], [B, H, S]
-    visible = valid[:, :, None, None, :] & (slot_pos[:, :, None, None, :] <= q_positions[:, None, None, :, None])
+    visible = valid[:, :, None, None, :] & visible_keys(
+        slot_pos[:, :, None, None, :], q_positions[:, None, None, :, None], window
+    )
     return masked_attention(q, k, v, visible, scale, return_probs)
 
 
@@ -154,17 +166,18 @@ def _query_rows(q: jax.Array, num_kv_heads: int, scale: float) -> jax.Array:
     return jnp.moveaxis(qg, 1, 3).reshape(B, num_kv_heads, (Hq // num_kv_heads) * T, D)
 
 
-def _visible_rows(valid: jax.Array, pos: jax.Array, q_positions: jax.Array, group: int) -> jax.Array:
+def _visible_rows(valid: jax.Array, pos: jax.Array, q_positions: jax.Array, group: int, window=0) -> jax.Array:
     """bool[B, H, G*T, S]: slots (`valid`, `pos [B, H, S]`) each query row (positions `[B, T]`) may see."""
-    visible = valid[:, :, None, :] & (pos[:, :, None, :] <= q_positions[:, None, :, None])  # [B, H, T, S]
+    visible = valid[:, :, None, :] & visible_keys(pos[:, :, None, :], q_positions[:, None, :, None], window)  # [B, H, T, S]
     return jnp.tile(visible, (1, 1, group, 1))
 
 
 def blocked_paged_attention(
     q: jax.Array, q_positions: jax.Array, state: KVState, layer, block_pages: int = 32,
-    scale: float | None = None, return_stats: bool = False,
+    scale: float | None = None, return_stats: bool = False, window=0,
 ):
-    """`paged_attention` for a chunk of queries, computed block by block with an online softmax.
+    """`paged_attention` for a chunk of queries (within a sliding `window` when > 0), computed block by
+    block with an online softmax.
 
     The loop visits only blocks of `block_pages` logical pages below the longest head's length (a dynamic
     trip count), so a prefill chunk costs what has been written so far rather than the whole capacity,
@@ -184,7 +197,7 @@ def blocked_paged_attention(
     def body(i, carry):
         m, l, acc = carry  # [B, H, GT], [B, H, GT], [B, H, GT, D]
         k, v, pos, valid = gather(i)
-        visible = _visible_rows(valid, pos, q_positions, G)  # [B, H, GT, S]
+        visible = _visible_rows(valid, pos, q_positions, G, window)  # [B, H, GT, S]
         s = jnp.einsum("bhqd,bhsd->bhqs", qh, k.astype(q.dtype), preferred_element_type=jnp.float32)
         s = jnp.where(visible, s, MASKED)
         m_new = jnp.maximum(m, s.max(-1))

@@ -11,6 +11,8 @@ import json
 import os
 from typing import Any
 
+import numpy as np
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3")
 
 
@@ -59,7 +61,10 @@ class ModelConfig:
     mlp_bias: bool = False
     fused_qkv: bool = False  # Phi-3's qkv_proj
     fused_gate_up: bool = False  # Phi-3's gate_up_proj
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # as the checkpoint declares it: every layer (Mistral, Phi-3)
+    # Per-layer windows (0 = full attention) where layers differ (Gemma-2 alternates); None: every layer
+    # uses `sliding_window`. `with_windows` sets it.
+    layer_windows: tuple[int, ...] | None = None
     rope: RopeConfig = RopeConfig()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -68,6 +73,28 @@ class ModelConfig:
     def group_size(self) -> int:
         """Query heads per kv head (GQA)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window in tokens (a query at p sees keys p - w + 1 .. p, HF's Mistral mask),
+        0 for full attention."""
+        if self.layer_windows is not None:
+            return self.layer_windows
+        return (self.sliding_window or 0,) * self.num_layers
+
+    def with_windows(self, windows) -> "ModelConfig":
+        """This config with per-layer windows `windows` (a sequence of num_layers ints or None, None / 0 =
+        full attention), e.g. `kvjax.serving.alternating_windows` for Gemma-2's pattern."""
+        windows = list(windows)
+        if len(windows) != self.num_layers:
+            raise ValueError(f"windows has {len(windows)} entries but the model has {self.num_layers} layers")
+        out = []
+        for layer, w in enumerate(windows):
+            w = 0 if w is None else w
+            if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0:
+                raise ValueError(f"windows[{layer}] must be a non-negative int or None (full attention), got {w!r}")
+            out.append(int(w))
+        return dataclasses.replace(self, layer_windows=tuple(out))
 
     @property
     def rotary_dim(self) -> int:

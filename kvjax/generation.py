@@ -7,7 +7,6 @@ attends; C = 1 decodes) through a `StepBackend`: one device by default, a mesh f
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -25,7 +24,7 @@ from kvjax.rope import rope_frequencies, uses_long_factors
 from kvjax.rows import insert_row
 from kvjax.sampling import sample_first_tokens, validate_sampling
 from kvjax.state import CacheCapacityError, KVState, overflow_error, pages_for
-from kvjax.step import LOCAL_BACKEND, StepBackend, new_window
+from kvjax.step import LOCAL_BACKEND, StepBackend, compressed_layer, new_window
 
 DEFAULT_CHUNK_SIZE = 512
 DEFAULT_STEPS_PER_DISPATCH = 16  # decode steps per device call in generate (kvjax.decode_loop)
@@ -41,13 +40,15 @@ def bucketed(tokens: int) -> int:
 
 
 def dense_forward(params, tokens, cfg: ModelConfig, dtype=jnp.float32, long_rope: bool = False) -> jax.Array:
-    """Dense causal forward, no cache: `tokens int32[B, T]` at positions 0..T-1 -> logits `f32[B, T, V]`.
-    Differentiable and not jitted (the default model's training calls it inside its own jitted step)."""
+    """Dense causal forward, no cache: `tokens int32[B, T]` at positions 0..T-1 -> logits `f32[B, T, V]`,
+    each layer within its sliding window (`ModelConfig.windows`). Differentiable and not jitted (the
+    default model's training calls it inside its own jitted step)."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    windows = jnp.asarray(cfg.windows, jnp.int32)  # [L]
 
     def attend(layer, inputs, carry):
-        return dense_causal_attention(inputs.q, inputs.k, inputs.v), carry
+        return dense_causal_attention(inputs.q, inputs.k, inputs.v, window=windows[layer]), carry
 
     logits, _ = CausalLM(cfg, dtype).apply(
         {"params": params}, tokens, positions, rope_frequencies(cfg, long_rope), attend, None, method=CausalLM.hidden_and_logits
@@ -102,15 +103,6 @@ def _chunk_size_for(longest: int, chunk_size: int) -> int:
     return min(bucket, chunk_size)
 
 
-def _warn_sliding_window(cfg: ModelConfig, length: int) -> None:
-    if cfg.sliding_window is not None and length > cfg.sliding_window:
-        warnings.warn(
-            f"this {cfg.model_type} config declares sliding_window={cfg.sliding_window}; kvjax attends over the "
-            f"whole context, so past {cfg.sliding_window} tokens (here {length}) outputs differ from transformers",
-            stacklevel=3,
-        )
-
-
 def check_context(cfg: ModelConfig, longest_prompt: int, max_new_tokens: int, allow_longer_context: bool) -> None:
     """Refuse, before any work, a request longer than the model's context (`max_position_embeddings`)."""
     needed = longest_prompt + max_new_tokens
@@ -139,7 +131,6 @@ def forward_logits(model: Model, tokens) -> jax.Array:
     if len({len(r) for r in rows}) != 1:
         raise ValueError("forward_logits takes equal-length rows; pad them or call it once per row")
     array = jnp.asarray(np.stack(rows))
-    _warn_sliding_window(model.cfg, array.shape[1])
     long_rope = uses_long_factors(model.cfg, array.shape[1])
     return _dense_logits(model.params, array, cfg=model.cfg, dtype=model.dtype, long_rope=long_rope)
 
@@ -209,7 +200,6 @@ def prefill_chunks(
     backend = backend or LOCAL_BACKEND
     cfg = model.cfg
     policy.validate(page_size)
-    _warn_sliding_window(cfg, declared_length)
     lengths = np.array([len(r) for r in rows], np.int32)
     B = len(rows)
     slots_needed = max(policy.slots_needed(int(n), reserve_tokens, chunk_size) for n in lengths)
@@ -225,7 +215,7 @@ def prefill_chunks(
     if per_chunk:
         full = pages_for(capacity, page_size)
         bounded = min(full, pages_for(bucketed(slots_needed), page_size))
-        read_bound = tuple(bounded if policy.compresses_layer(l) else full for l in range(cfg.num_layers))
+        read_bound = tuple(bounded if compressed_layer(policy, l, cfg.windows) else full for l in range(cfg.num_layers))
         num_pages = B * cfg.num_kv_heads * sum(read_bound)
     state = backend.new_state(
         cfg, B, capacity, page_size, num_pages, model.cache_dtype, uses_long_factors(cfg, declared_length), read_bound
@@ -253,7 +243,7 @@ def prefill_chunks(
             if compress:
                 state = backend.compress_step(
                     state, window, backend.put(i >= last_chunk), num_layers=cfg.num_layers, policy=policy,
-                    keep_bound=keep_bound, read_pages=read_bound,
+                    keep_bound=keep_bound, read_pages=read_bound, windows=cfg.windows,
                 )
             if on_chunk is not None and (num_new == C).all():
                 on_chunk(PrefillCarry(state, window, logits, done + (i + 1) * C))
@@ -294,9 +284,12 @@ def compress_prefilled(
     keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in prompt_lengths)
     grow = 1 if policy.evicts_while_decoding else reserve_tokens
     bounded = min(state.max_pages, pages_for(bucketed(keep_bound + grow), state.page_size))
-    read_pages = tuple(bounded if policy.compresses_layer(l) else state.max_pages for l in range(cfg.num_layers))
+    read_pages = tuple(
+        bounded if compressed_layer(policy, l, cfg.windows) else state.max_pages for l in range(cfg.num_layers)
+    )
     return backend.compress_step(
-        state, window, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages
+        state, window, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages,
+        windows=cfg.windows,
     )
 
 

@@ -70,13 +70,16 @@ def page_view(state: KVState, layer, num_layers: int, q) -> LayerView:
     )
 
 
-def layer_segments(policy: Policy, state: KVState, num_layers: int) -> tuple[tuple[int, int], ...]:
+def layer_segments(policy: Policy, state: KVState, num_layers: int, windows: tuple = ()) -> tuple[tuple[int, int], ...]:
     """Runs `(start, stop)` of layers the step treats alike at trace time: whether `policy` compresses them,
-    whether it selects pages in them, and how many pages they read. Usually one or two runs (dense layers
-    first), so the steps' compile time does not grow with depth."""
+    whether it selects pages in them, how many pages they read and their sliding window (`windows`, the
+    model's `ModelConfig.windows`; empty: none). Usually one or two runs (dense layers first), so the
+    steps' compile time does not grow with depth (a model alternating windows, Gemma-2's, has one run a
+    layer)."""
     return segments_by(
         num_layers,
-        lambda l: (policy.compresses_layer(l), policy.selects_pages(l), state.layer_read_pages(l)),
+        lambda l: (policy.compresses_layer(l), policy.selects_pages(l), state.layer_read_pages(l),
+                   windows[l] if windows else 0),
     )
 
 
@@ -117,6 +120,34 @@ def append_and_attend(
         state = add_slot_scores(state, layer, delta)
         view = view._replace(slot_score=view.slot_score + delta)
     return state, out, view if evict else None
+
+
+def append_and_attend_window(state: KVState, layer, q, k, v, positions, num_new, *, window: int, decoding: bool,
+                             num_layers: int, next_position):
+    """One layer of an append step in a layer with a sliding window of `window` tokens (a query at p sees
+    p - window + 1 .. p). Before the step the layer holds at most the `window - 1` tokens the chunk's first
+    query can see; after it, again only those the next token's query can see, so a windowed layer never
+    holds more than `window - 1 + C` slots and frees its pages as the window moves (Jenga's point).
+
+    A prefill chunk attends with the window mask (`blocked_paged_attention`) and is then compacted to the
+    tokens after `next_position - window` (`compact_layer`, pages freed). A decode step attends through the
+    kernels over every slot (exactly the window) and then drops each head's oldest slot when it holds a
+    whole window (`evict_one_slot`: a hole the next token fills). No policy acts in a windowed layer.
+    Shapes as `append_and_attend`; returns `(state, out [B, C, Hq, D])`."""
+    state = append_to_layer(state, layer, k, v, positions, num_new)
+    if decoding:
+        out = decode_attention(q, state, layer)
+        view = layer_view(state, layer, num_layers, next_position)
+        oldest = jnp.argmin(jnp.where(view.valid, view.slot_pos, jnp.iinfo(jnp.int32).max), axis=-1).astype(jnp.int32)
+        full = state.lengths[layer] - (state.hole[layer] >= 0) >= window  # [B, H]
+        return evict_one_slot(state, layer, oldest, full, view.k), out
+    out = blocked_paged_attention(q, positions, state, layer, window=window)
+    _, _, slot_pos, valid = gather_layer(state, layer)  # [B, H, S]
+    keep = valid & (slot_pos > next_position[:, None, None] - window)  # at most window - 1 positions
+    bound = max(1, min(window - 1, keep.shape[-1]))
+    keep_slots = jnp.argsort(~keep, axis=-1, stable=True)[..., :bound].astype(jnp.int32)  # kept first, in slot order
+    state = compact_layer(state, layer, keep_slots, keep.sum(-1).astype(jnp.int32))
+    return state.replace(hole=state.hole.at[layer].set(-1)), out
 
 
 class LayerRoles(NamedTuple):
@@ -189,7 +220,7 @@ def forward_chunk(
     logits at each row's last real token, `last_logits` where a row has none."""
     B, C = tokens.shape
     segments = []
-    for start, stop in layer_segments(policy, state, cfg.num_layers):
+    for start, stop in layer_segments(policy, state, cfg.num_layers, cfg.windows):
         layer_attend = attend_for(start, stop)
 
         def attend(layer, inputs, carry, layer_attend=layer_attend, start=start, stop=stop):
@@ -242,8 +273,15 @@ def append_step(
 
     def attend_for(start: int, stop: int) -> LayerAttend:
         roles = layer_roles(policy, start, decoding)
+        window = cfg.windows[start]
 
         def attend(layer, inputs, state):
+            if window:
+                state, out = append_and_attend_window(
+                    state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, window=window,
+                    decoding=decoding, num_layers=cfg.num_layers, next_position=seen,
+                )
+                return out, state
             score = roles.chunks.score(layer, inputs, policy_params) if roles.chunks is not None else None
             state, out, view = append_and_attend(
                 state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, policy=policy,
@@ -264,22 +302,31 @@ def append_step(
     return state.replace(next_position=seen), window, logits
 
 
-def compress_segments(policy: Policy, state: KVState, num_layers: int) -> tuple[tuple[int, int], ...]:
-    """The runs of `layer_segments` whose layers the policy compresses."""
-    return tuple((a, b) for a, b in layer_segments(policy, state, num_layers) if policy.compresses_layer(a))
+def compressed_layer(policy: Policy, layer: int, windows: tuple = ()) -> bool:
+    """Whether the policy compresses `layer`: one it compresses, outside a sliding window (`windows`, the
+    model's `ModelConfig.windows`), whose own eviction rules there."""
+    return policy.compresses_layer(layer) and not (windows and windows[layer])
+
+
+def compress_segments(policy: Policy, state: KVState, num_layers: int, windows: tuple = ()) -> tuple[tuple[int, int], ...]:
+    """The runs of `layer_segments` whose layers the policy compresses (`compressed_layer`)."""
+    return tuple(
+        (a, b) for a, b in layer_segments(policy, state, num_layers, windows) if compressed_layer(policy, a, windows)
+    )
 
 
 @functools.partial(
-    jax.jit, static_argnames=("num_layers", "policy", "keep_bound", "read_pages"), donate_argnames=("state",)
+    jax.jit, static_argnames=("num_layers", "policy", "keep_bound", "read_pages", "windows"), donate_argnames=("state",)
 )
 def compress_step(
-    state: KVState, window, final=None, *, num_layers: int, policy: Policy, keep_bound: int, read_pages: tuple | None
+    state: KVState, window, final=None, *, num_layers: int, policy: Policy, keep_bound: int, read_pages: tuple | None,
+    windows: tuple = (),
 ):
     """Apply the policy's keep sets (at most `keep_bound` slots per head, static; a per-layer budget below
-    it, PyramidKV's, is data) to every compressed layer, then bound each layer's pages to `read_pages`.
-    `window` is the prefill carry; `final bool[B]` (per-chunk compression): whether this was each sequence's
-    last prefill chunk."""
-    for start, stop in compress_segments(policy, state, num_layers):
+    it, PyramidKV's, is data) to every compressed layer (none inside a sliding window of `windows`), then
+    bound each layer's pages to `read_pages`. `window` is the prefill carry; `final bool[B]` (per-chunk
+    compression): whether this was each sequence's last prefill chunk."""
+    for start, stop in compress_segments(policy, state, num_layers, windows):
 
         def body(state, layer, start=start, stop=stop):
             local = state.for_layers(start, stop)
@@ -321,9 +368,11 @@ __all__ = [
     "LayerRoles",
     "StepBackend",
     "append_and_attend",
+    "append_and_attend_window",
     "append_step",
     "compress_segments",
     "compress_step",
+    "compressed_layer",
     "decode_victim",
     "forward_chunk",
     "keep_last",

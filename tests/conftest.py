@@ -86,8 +86,16 @@ CONFIGS = {
         num_key_value_heads=2, max_position_embeddings=256, use_sliding_window=False, bos_token_id=None,
         eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
     ),
+    # every layer windowed (12 tokens), as Mistral declares it
+    "mistral_sw12": lambda: transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, sliding_window=12, rope_theta=10000.0,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+        attn_implementation="eager",
+    ),
 }
-MODEL_CLASSES = {"phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+MODEL_CLASSES = {"phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                 "mistral": "MistralForCausalLM"}
 
 
 def build_hf_model(name: str, seed: int = 0):

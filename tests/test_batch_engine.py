@@ -5,12 +5,13 @@ eviction, composition), with sampling and a seed per request; pages all return t
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 
 import kvjax
 from _sharding_worker import VOCAB, tiny_model
-from kvjax.serving.batch_engine import BatchEngine
+from kvjax.serving.batch_engine import BatchEngine, row_pages
 from policy_cases import matrix_cases
 
 PAGE_SIZE, CAPACITY, CHUNK = 8, 128, 32  # one chunk size for every prompt: one prefill program per policy
@@ -69,6 +70,16 @@ def _check_engine(model, policy, sampling=None, steps=4):
 def test_engine_equals_generate_per_request(model, cases, case_id):
     engine = _check_engine(model, cases[case_id].policy)
     assert engine.dispatches < sum(n for _, n, _ in REQUESTS)  # rows really shared dispatches
+
+
+@pytest.mark.parametrize("case_id", ["snapkv", "h2o"])
+def test_engine_equals_generate_with_sliding_windows(model, cases, case_id):
+    """Gemma-2's pattern (layer 0 windowed to 16 tokens, layer 1 full): the window moves while rows decode,
+    the policy acts in the full layer, and rows still equal `generate` and return every page."""
+    windowed = dataclasses.replace(model, cfg=model.cfg.with_windows([16, None]))
+    # the default pool holds a window's pages in layer 0, not capacity's (and serves every request below)
+    assert row_pages(windowed.cfg, CAPACITY, PAGE_SIZE) == model.cfg.num_kv_heads * (2 + CAPACITY // PAGE_SIZE)
+    _check_engine(windowed, cases[case_id].policy)
 
 
 @pytest.mark.parametrize("case_id", ["full", "h2o"])

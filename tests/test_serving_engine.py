@@ -129,21 +129,8 @@ def test_alternating_sliding_and_full_layers_match_dense_reference(llama):
 
 
 @pytest.fixture(scope="module")
-def mistral(tmp_path_factory):
-    torch.manual_seed(0)
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, sliding_window=12, rope_theta=10000.0,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    hf = transformers.MistralForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 0.08)
-    path = tmp_path_factory.mktemp("mistral_sw12")
-    hf.save_pretrained(path)
+def mistral(hf_models):
+    hf, path = hf_models("mistral_sw12")
     return hf, kvjax.load_model(path)
 
 

@@ -87,9 +87,15 @@ def assemble(
     chunk keeps its encoding positions P..P+T_i-1 and the query follows the longest (APE-style parallel
     encoding). `long_rope` defaults to LongRoPE's rule for the assembled length plus `max_new_tokens`.
     Raises `ChunkMismatchError` if the store belongs to another model or tokenizer, `RopeShiftError` if
-    rotated keys would cross LongRoPE's factor switch.
+    rotated keys would cross LongRoPE's factor switch, `NotImplementedError` for a model with sliding
+    windows.
     """
     check_fingerprint(store.fingerprint, model_fingerprint(model), "this chunk store")
+    if any(model.cfg.windows):
+        raise NotImplementedError(
+            f"chunk reuse assumes full attention; this model has sliding windows {sorted(set(model.cfg.windows) - {0})} "
+            "(use kvjax.generate on the whole prompt)"
+        )
     query = np.asarray(query_tokens, np.int32).reshape(-1)
     if query.size < 1:
         raise ValueError("query_tokens is empty: the query is what the forward computes, give at least one token")

@@ -26,9 +26,11 @@ def encode_kv(params, tokens: jax.Array, *, cfg: ModelConfig, dtype, long_rope: 
     shape = (cfg.num_layers, B, T, cfg.num_kv_heads, cfg.head_dim)
     kept = tuple(jnp.zeros(shape, dtype) for _ in range(3))
 
+    windows = jnp.asarray(cfg.windows, jnp.int32)  # [L]
+
     def attend(layer, inputs, kept):
         kept = tuple(buf.at[layer].set(x.astype(buf.dtype)) for buf, x in zip(kept, (inputs.k_pre, inputs.k, inputs.v)))
-        return dense_causal_attention(inputs.q, inputs.k, inputs.v), kept
+        return dense_causal_attention(inputs.q, inputs.k, inputs.v, window=windows[layer]), kept
 
     _, kept = CausalLM(cfg, dtype).apply(
         {"params": params}, tokens, positions, rope_frequencies(cfg, long_rope), attend, kept

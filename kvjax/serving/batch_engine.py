@@ -104,6 +104,13 @@ class _Prefilled:
     boundaries: list = field(default_factory=list)  # (tokens, chained hash) of the prompt's whole chunks
 
 
+def row_pages(cfg, capacity: int, page_size: int) -> int:
+    """Pages one decoding row can hold at most: `capacity` tokens in each full-attention layer, a window's
+    worth in each windowed one (a row decodes one token a step, so a windowed layer never holds more than
+    its window; its prefill ran on its own state). Summed over layers and kv heads."""
+    return cfg.num_kv_heads * sum(pages_for(min(w, capacity) if w else capacity, page_size) for w in cfg.windows)
+
+
 class _Batch:
     """One decode batch: a `max_rows`-row state on one pool, the rows' sampling carry and their requests."""
 
@@ -112,7 +119,7 @@ class _Batch:
         self.policy, self.temperature, self.top_k, self.top_p, eos = key
         self.eos = jnp.asarray(np.asarray(eos, np.int32).reshape(-1))
         R = engine.max_rows
-        num_pages = engine.pool_pages or R * cfg.num_layers * cfg.num_kv_heads * pages_for(engine.capacity, engine.page_size)
+        num_pages = engine.pool_pages or R * row_pages(cfg, engine.capacity, engine.page_size)
         self.state = init_state(cfg, R, engine.capacity, engine.page_size, num_pages=num_pages,
                                 dtype=engine.model.cache_dtype, long_rope=long_rope)
         self.read_pages: tuple | None = ()  # () until the first row: then the rows' largest bounds
@@ -120,9 +127,10 @@ class _Batch:
         self.pending = np.zeros(R, np.int32)
         self.keys = jnp.zeros((R, 2), jnp.uint32)
         self.rows: list[BatchRequest | None] = [None] * R
-        # rows whose pages never change after prefill (no compression, no decode-time eviction, no scores)
-        # share their whole-page prefixes: chained hash of a prompt's first chunks -> (row, tokens)
-        self.shares = not (self.policy.compresses or self.policy.evicts_while_decoding)
+        # rows whose pages never change after prefill (no compression, no decode-time eviction, no scores,
+        # no sliding window moving) share their whole-page prefixes: chained hash of a prompt's first
+        # chunks -> (row, tokens)
+        self.shares = not (self.policy.compresses or self.policy.evicts_while_decoding or any(cfg.windows))
         self.prefixes: dict[bytes, tuple[int, int]] = {}
 
     def shared_prefix(self, boundaries: list, page_size: int) -> tuple[int, int]:
@@ -156,7 +164,8 @@ class BatchEngine:
     """Continuous batching over `generate`'s prefill, step and decode loop (module docstring).
 
     `max_rows`: rows per decode batch; `capacity`: tokens one request may reach (prompt plus new tokens)
-    per layer and head; `pool_pages`: pages of each batch's pool (default: `max_rows` full-capacity rows);
+    per layer and head; `pool_pages`: pages of each batch's pool (default: `max_rows` full-capacity rows, `row_pages`: a
+    windowed layer needs only its window);
     `prefix_cache_bytes`: room for prefill carries at chunk boundaries, reused by requests whose prompts
     start with the same whole chunks (`kvjax.serving.prefix_states`; 0 turns it off). That budget is
     `self.cache`, a `BytesLRU` that RAG chunk caches may share (`kvjax.rag.ChunkStore(model, lru=engine.cache)`),

@@ -26,7 +26,7 @@ import numpy as np
 from kvjax.generation import as_token_lists
 from kvjax.loading import Model
 from kvjax.serving.allocator import JengaAllocator, RequestTooLargeError
-from kvjax.serving.model_groups import build_layer_groups, check_row_aligned, normalize_windows
+from kvjax.serving.model_groups import build_layer_groups, check_row_aligned
 from kvjax.serving.paged_step import StepGeometry, paged_model_step
 from kvjax.serving.views import apply_page_copies, make_pool
 
@@ -158,7 +158,7 @@ class Engine:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.model = model
-        self.windows = normalize_windows(windows, cfg.num_layers, cfg.sliding_window)
+        self.windows = (cfg if windows is None else cfg.with_windows(windows)).windows
         dtype = jnp.dtype(model.dtype).name
         self.groups = build_layer_groups(self.windows, cfg.num_kv_heads, cfg.head_dim, dtype, tokens_per_page, paging)
         self.allocator = JengaAllocator(

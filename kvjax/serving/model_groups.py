@@ -30,25 +30,6 @@ def alternating_windows(num_layers: int, window: int, first_sliding: bool = True
     return tuple(window if (layer - start) % 2 == 0 else None for layer in range(num_layers))
 
 
-def normalize_windows(windows: Sequence[int | None] | None, num_layers: int, default: int | None) -> tuple[int, ...]:
-    """Per-layer windows as ints, 0 for full attention. `windows` None: every layer uses `default` (the
-    model config's sliding_window, as Mistral applies it to every layer; None: full attention)."""
-    if windows is None:
-        windows = [default] * num_layers
-    windows = list(windows)
-    if len(windows) != num_layers:
-        raise ValueError(f"windows has {len(windows)} entries but the model has {num_layers} layers")
-    out = []
-    for layer, window in enumerate(windows):
-        if window is None:
-            out.append(0)
-        elif isinstance(window, int) and not isinstance(window, bool) and window > 0:
-            out.append(window)
-        else:
-            raise ValueError(f"windows[{layer}] must be None (full attention) or a positive int, got {window!r}")
-    return tuple(out)
-
-
 @dataclass(frozen=True)
 class LayerGroups:
     """How a model's layers map onto allocator groups.
@@ -175,7 +156,6 @@ __all__ = [
     "alternating_windows",
     "build_layer_groups",
     "check_row_aligned",
-    "normalize_windows",
     "row_bytes",
     "sliding_group_name",
 ]

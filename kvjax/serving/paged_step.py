@@ -15,7 +15,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import masked_attention
+from kvjax.attention import masked_attention, visible_keys
 from kvjax.config import ModelConfig
 from kvjax.models import CausalLM, Segment, segments_by
 from kvjax.rope import rope_frequencies
@@ -46,7 +46,7 @@ def window_attention(
     Returns `[B, T, Hq, D]`."""
     qp = q_positions[:, None, None, :, None]  # [B, 1, 1, T, 1]
     kp = key_positions[:, None, None, None, :]  # [B, 1, 1, 1, S]
-    visible = key_valid[:, None, None, None, :] & (kp <= qp) & ((window == 0) | (kp > qp - window))
+    visible = key_valid[:, None, None, None, :] & visible_keys(kp, qp, window)
     # Pages may hold stale bytes of another dtype (NaN as floats): zero what is not read so 0 * NaN
     # cannot reach the output.
     v = jnp.where(key_valid[:, :, None, None], v, 0)
