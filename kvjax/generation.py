@@ -7,7 +7,7 @@ attends; C = 1 decodes) through a `StepBackend`: one device by default, a mesh f
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Generator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -164,8 +164,22 @@ def prefill_rows(
     `reserve_tokens` more tokens after compression. `progress` shows a bar over the chunks of a prompt of
     several chunks; `resume` and `on_chunk` reuse a prefix's prefill (`prefill_chunks`). Returns
     `(state, logits f32[B, V])`."""
+    return run_to_end(prefill_row_steps(
+        model, rows, policy, page_size, capacity, chunk_size, declared_length, reserve_tokens, backend, progress,
+        resume, on_chunk,
+    ))
+
+
+def prefill_row_steps(
+    model: Model, rows: list[np.ndarray], policy: Policy, page_size: int, capacity: int, chunk_size: int,
+    declared_length: int, reserve_tokens: int, backend: StepBackend | None = None, progress: bool = False,
+    resume: PrefillCarry | None = None, on_chunk: Callable[[PrefillCarry], None] | None = None,
+) -> Generator[None, None, tuple[KVState, jax.Array]]:
+    """`prefill_rows` one chunk at a time: a generator that yields after every chunk's step (so a caller
+    can run other work between chunks, as the batch engine runs decode dispatches) and returns
+    `(state, logits)` after the compression."""
     backend = backend or LOCAL_BACKEND
-    state, window, logits = prefill_chunks(
+    state, window, logits = yield from prefill_chunk_steps(
         model, rows, policy, page_size, capacity, chunk_size, declared_length, reserve_tokens, backend, progress,
         resume, on_chunk,
     )
@@ -174,7 +188,16 @@ def prefill_rows(
     return state, logits
 
 
-def prefill_chunks(
+def run_to_end(steps: Generator):
+    """Run a step generator (`prefill_row_steps`, `prefill_chunk_steps`) through; returns what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
+def prefill_chunk_steps(
     model: Model,
     rows: list[np.ndarray],
     policy: Policy,
@@ -187,8 +210,10 @@ def prefill_chunks(
     progress: bool = False,
     resume: PrefillCarry | None = None,
     on_chunk: Callable[[PrefillCarry], None] | None = None,
-) -> tuple[KVState, Any, jax.Array]:
-    """`prefill_rows` up to, not including, the compression after prefill: every chunk appended (and, with a
+) -> Generator[None, None, tuple[KVState, Any, jax.Array]]:
+    """`prefill_chunks` as a generator yielding after every chunk's step (`prefill_row_steps`).
+
+    `prefill_rows` up to, not including, the compression after prefill: every chunk appended (and, with a
     chunk schedule, compressed). Returns `(state, window, logits)`, `window` being the carry of the last
     `policy.window_size` queries per layer (`kvjax.step.new_window`) or None.
 
@@ -247,6 +272,7 @@ def prefill_chunks(
                 )
             if on_chunk is not None and (num_new == C).all():
                 on_chunk(PrefillCarry(state, window, logits, done + (i + 1) * C))
+            yield
         return state, window, logits
 
     logits = backend.put(jnp.zeros((B, cfg.vocab_size), jnp.float32))
@@ -262,14 +288,27 @@ def prefill_chunks(
         window = None if window is None else jax.tree.map(jnp.copy, resume.window)
         logits = jnp.copy(resume.logits)
         head = [r[done:] for r in head]
-    state, window, logits = run_chunks(state, window, logits, head, per_chunk, C, done)
+    state, window, logits = yield from run_chunks(state, window, logits, head, per_chunk, C, done)
     if tails.any():
         part = [r[len(r) - t :] for r, t in zip(rows, tails)]
-        state, window, logits = run_chunks(state, window, logits, part, False, _chunk_size_for(int(tails.max()), chunk_size))
+        C = _chunk_size_for(int(tails.max()), chunk_size)
+        state, window, logits = yield from run_chunks(state, window, logits, part, False, C)
     error = backend.overflow_error(state)
     if error is not None:
         raise error
     return state, window, logits
+
+
+def prefill_chunks(
+    model: Model, rows: list[np.ndarray], policy: Policy, page_size: int, capacity: int, chunk_size: int,
+    declared_length: int, reserve_tokens: int, backend: StepBackend | None = None, progress: bool = False,
+    resume: PrefillCarry | None = None, on_chunk: Callable[[PrefillCarry], None] | None = None,
+) -> tuple[KVState, Any, jax.Array]:
+    """Every chunk of `prefill_chunk_steps` run through: returns `(state, window, logits)`."""
+    return run_to_end(prefill_chunk_steps(
+        model, rows, policy, page_size, capacity, chunk_size, declared_length, reserve_tokens, backend, progress,
+        resume, on_chunk,
+    ))
 
 
 def compress_prefilled(

@@ -129,3 +129,23 @@ def test_a_pool_too_small_for_one_request_is_an_error_naming_pool_pages(model):
     engine.submit(prompts(1)[0], 4)
     with pytest.raises(kvjax.CacheCapacityError, match="pool_pages"):
         engine.run()
+
+
+def test_a_long_prefill_interleaves_with_decoding(model):
+    """A 100-token prompt (7 chunks of 16) arrives beside a short one: once the short one decodes, it gets
+    tokens between the long prompt's chunks instead of waiting for its whole prefill; both still equal
+    `generate`."""
+    rng = np.random.default_rng(1)
+    short, long = rng.integers(0, VOCAB, size=20).tolist(), rng.integers(0, VOCAB, size=100).tolist()
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=16, steps_per_dispatch=1)
+    prefilling_when_decoded = []
+    first = engine.submit(short, 12, eos_token_id=-1,
+                          on_tokens=lambda r, t: prefilling_when_decoded.append(getattr(engine.prefilling, "request_id", None)))
+    second = engine.submit(long, 6, eos_token_id=-1)
+    out = engine.run()
+    assert prefilling_when_decoded.count(second) >= 5  # a dispatch between (nearly) every pair of its chunks
+    for rid, prompt, n in ((first, short, 12), (second, long, 6)):
+        tokens = kvjax.generate(model, [prompt], n, chunk_size=16, page_size=PAGE_SIZE, capacity=CAPACITY,
+                                eos_token_id=-1)
+        assert out[rid].tokens == np.asarray(tokens)[0].tolist()
+    assert engine.leaked_pages == 0

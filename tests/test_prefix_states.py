@@ -140,7 +140,8 @@ def test_rows_share_a_live_rows_prefix_pages(model, cases, case_id):
     the same tokens as `generate`, every page back on the free stack at the end."""
     policy = cases[case_id].policy
     rows = shared_prompts(4, seed=7)
-    engine = _serve_like_generate(model, policy, rows)
+    # long enough that a row still decodes while the next request's prefill (a chunk a step) ends
+    engine = _serve_like_generate(model, policy, rows, max_new=16)
     per_row = model.cfg.num_layers * model.cfg.num_kv_heads * (2 * CHUNK // PAGE_SIZE)
     assert engine.shared_pages >= per_row and engine.shared_pages % per_row == 0
     assert engine.leaked_pages == 0

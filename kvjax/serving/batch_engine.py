@@ -1,8 +1,9 @@
 """The serving engine over `generate`'s own machinery: every policy, continuous batching, sampling per request.
 
-A request is prefilled on its own by `kvjax.generation.prefill_rows` (chunked prefill with its policy:
+A request is prefilled on its own by `kvjax.generation.prefill_row_steps` (chunked prefill with its policy:
 compression after prefill, per-chunk eviction, Quest's metadata), its decode tail fed by `feed_tokens`, and
-its first token sampled from the prefill's logits, exactly as `generate` does for one prompt. The
+its first token sampled from the prefill's logits, exactly as `generate` does for one prompt; one chunk
+runs per engine step, between the live batches' dispatches, so a long prompt does not stall them. The
 one-sequence state is then inserted into a free row of a decode batch (`kvjax.rows.insert_row`), and
 `kvjax.decode_loop.decode_steps`, `generate`'s on-device loop with its append step and kernels, advances
 every live row of the batch `steps_per_dispatch` tokens per call. A finished row (EOS, its token limit, or
@@ -45,7 +46,7 @@ from kvjax.generation import (
     as_token_lists,
     feed_tokens,
     policy_or_full,
-    prefill_rows,
+    prefill_row_steps,
 )
 from kvjax.loading import Model
 from kvjax.lru import BytesLRU
@@ -185,6 +186,8 @@ class BatchEngine:
         self.cache = BytesLRU(prefix_cache_bytes)
         self.prefix = PrefixStates(lru=self.cache) if prefix_cache_bytes else None
         self.waiting: deque[BatchRequest] = deque()
+        self.prefilling: BatchRequest | None = None  # the request whose prefill runs a chunk a step
+        self._prefill_steps = None  # its generator (`_prefill`)
         self.ready: deque[_Prefilled] = deque()
         self.batches: dict[tuple, _Batch] = {}
         self.requests: dict[str, BatchRequest] = {}
@@ -246,7 +249,7 @@ class BatchEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.ready or any(b.live for b in self.batches.values()))
+        return bool(self.waiting or self.prefilling or self.ready or any(b.live for b in self.batches.values()))
 
     def run(self) -> dict[str, BatchRequest]:
         """Step until every request has finished; returns every request by id."""
@@ -257,16 +260,13 @@ class BatchEngine:
     # ------------------------------------------------------------------------------------------ one step
 
     def step(self) -> None:
-        """Admit what fits (prefill waiting requests one by one and insert each into a free row, until one
-        finds no row or pages), then run one dispatch of one live batch (batches take turns)."""
+        """Insert prefilled requests that fit, run one chunk of the prefill in progress (starting the next
+        waiting request's when none is, and no prefilled request is still waiting for a row), then one
+        dispatch of one live batch (batches take turns). So a long prompt's prefill interleaves with the
+        live rows' decoding chunk by chunk (Sarathi's chunked prefills, at dispatch granularity) rather
+        than stalling them for the whole prompt."""
         self._insert_ready()
-        while self.waiting and not self.ready:
-            request = self.waiting.popleft()
-            try:
-                self._prefill(request)
-            except CacheCapacityError as error:  # this request cannot be served; the others go on
-                request.finish_reason, request.error = "error", str(error)
-            self._insert_ready()
+        self._advance_prefill()
         live = [b for b in self.batches.values() if b.live]
         if live:
             self._dispatch(live[self._turn % len(live)])
@@ -285,7 +285,25 @@ class BatchEngine:
             state = self.batches.pop(key).state
             self.leaked_pages += state.num_pages - int(state.num_free)
 
-    def _prefill(self, request: BatchRequest) -> None:
+    def _advance_prefill(self) -> None:
+        if self._prefill_steps is None:
+            if not self.waiting or self.ready:
+                return
+            self.prefilling = self.waiting.popleft()
+            self._prefill_steps = self._prefill(self.prefilling)
+        try:
+            next(self._prefill_steps)
+            return
+        except StopIteration:  # prefilled, its first token sampled: ready for a row
+            pass
+        except CacheCapacityError as error:  # this request cannot be served; the others go on
+            self.prefilling.finish_reason, self.prefilling.error = "error", str(error)
+        self.prefilling = self._prefill_steps = None
+        self._insert_ready()
+
+    def _prefill(self, request: BatchRequest):
+        """The request's prefill as a generator yielding after every chunk (`prefill_row_steps`); at its end
+        the decode tail is fed and the first token sampled (`_sample_first`)."""
         model, prompt, tail = self.model, request.prompt, request.decode_last
         declared = len(prompt) + request.max_new_tokens
         head = prompt[: len(prompt) - tail]
@@ -297,7 +315,7 @@ class BatchEngine:
                    self.chunk_size, str(model.cache_dtype))
             resume = self.prefix.lookup(key, boundaries, len(head))
             on_chunk = lambda carry: self.prefix.store(key, boundaries, carry)  # noqa: E731
-        state, logits = prefill_rows(
+        state, logits = yield from prefill_row_steps(
             model, [head], request.policy, self.page_size, self.capacity, self.chunk_size, declared,
             request.max_new_tokens + tail, resume=resume, on_chunk=on_chunk,
         )
