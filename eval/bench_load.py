@@ -48,7 +48,8 @@ def start_server(model, args):
 
     policy = kvjax.make_policy(args.policy, **dict(args.policy_options))
     config = ServerConfig(args.model, policy, max_context=args.capacity, steps_per_dispatch=args.steps_per_dispatch,
-                          max_rows=args.max_rows, chunk_size=args.chunk_size, prefix_cache_mb=args.prefix_cache_mb)
+                          max_rows=args.max_rows, chunk_size=args.chunk_size, prefix_cache_mb=args.prefix_cache_mb,
+                          prefill_chunks_per_step=args.prefill_chunks_per_step)
     return serve_in_background(model, config)
 
 
@@ -165,6 +166,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--output-max", type=int, default=64)
     parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (and prefix reuse granularity)")
     parser.add_argument("--prefix-cache-mb", type=int, default=256, help="the server's prefix cache (0: off)")
+    parser.add_argument("--prefill-chunks-per-step", type=int, default=0,
+                        help="the server's prefill chunks between two dispatches (0: whole prompts first)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=default_out("load"))
@@ -180,6 +183,7 @@ def main(argv=None) -> dict:
     sequential = run_sequential(model, trace, args)
     payload = {"benchmark": "bench_load", "machine": machine_info(), "model": args.model, "policy": args.policy,
                "policy_options": dict(args.policy_options), "concurrency": args.concurrency, "max_rows": args.max_rows,
+               "chunk_size": args.chunk_size, "prefill_chunks_per_step": args.prefill_chunks_per_step,
                "trace": {"requests": args.requests, "prompt_tokens": [args.prompt_min, args.prompt_max],
                          "output_tokens": [args.output_min, args.output_max], "seed": args.seed},
                "server": load, "generate_one_at_a_time": sequential,
@@ -196,7 +200,7 @@ def main(argv=None) -> dict:
     ) + (f"\n{payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores; prompts "
          f"{args.prompt_min}-{args.prompt_max} tokens, outputs up to {args.output_min}-{args.output_max}, greedy; "
          f"max_rows {args.max_rows}, {args.steps_per_dispatch} steps per dispatch, prefill chunk {args.chunk_size}, "
-         f"prefix cache {args.prefix_cache_mb} MB.\n")
+         f"prefix cache {args.prefix_cache_mb} MB, prefill chunks per step {args.prefill_chunks_per_step or 'unlimited'}.\n")
     name = f"bench_load_{args.model.replace('-', '_')}"
     paths = write_outputs(args.out, name, payload, table)
     plot(payload, paths["json"].replace(".json", ".png"))

@@ -146,7 +146,7 @@ def cmd_serve(args) -> int:
     config = ServerConfig(name, policy, args.max_context or model.cfg.max_position_embeddings,
                           chunk_size=args.chunk_size, page_size=args.page_size,
                           steps_per_dispatch=args.steps_per_dispatch, max_rows=args.max_rows,
-                          prefix_cache_mb=args.prefix_cache_mb)
+                          prefix_cache_mb=args.prefix_cache_mb, prefill_chunks_per_step=args.prefill_chunks_per_step)
     print(f"serving {name} ({args.policy}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve(model, config, args.host, args.port)
     return 0
@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests decoded together per batch; each batch's pool holds this many full-context rows")
     srv.add_argument("--prefix-cache-mb", type=int, default=256,
                      help="memory for prefill states at chunk boundaries, reused by prompts sharing whole chunks (0: off)")
+    srv.add_argument("--prefill-chunks-per-step", type=int, default=0,
+                     help="at most this many prefill chunks between two decode dispatches, so live requests keep "
+                          "streaming while a long prompt prefills (0: whole prompts first)")
     srv.set_defaults(func=cmd_serve)
 
     train = sub.add_parser("train", help="train retaining heads (locret) or the shipped default model")

@@ -132,12 +132,13 @@ def test_a_pool_too_small_for_one_request_is_an_error_naming_pool_pages(model):
 
 
 def test_a_long_prefill_interleaves_with_decoding(model):
-    """A 100-token prompt (7 chunks of 16) arrives beside a short one: once the short one decodes, it gets
-    tokens between the long prompt's chunks instead of waiting for its whole prefill; both still equal
+    """With `prefill_chunks_per_step=1`, a 100-token prompt (7 chunks of 16) arriving beside a short one
+    does not stall it: the short one gets tokens between the long prompt's chunks; both still equal
     `generate`."""
     rng = np.random.default_rng(1)
     short, long = rng.integers(0, VOCAB, size=20).tolist(), rng.integers(0, VOCAB, size=100).tolist()
-    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=16, steps_per_dispatch=1)
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=16, steps_per_dispatch=1,
+                         prefill_chunks_per_step=1)
     prefilling_when_decoded = []
     first = engine.submit(short, 12, eos_token_id=-1,
                           on_tokens=lambda r, t: prefilling_when_decoded.append(getattr(engine.prefilling, "request_id", None)))

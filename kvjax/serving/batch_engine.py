@@ -2,8 +2,8 @@
 
 A request is prefilled on its own by `kvjax.generation.prefill_row_steps` (chunked prefill with its policy:
 compression after prefill, per-chunk eviction, Quest's metadata), its decode tail fed by `feed_tokens`, and
-its first token sampled from the prefill's logits, exactly as `generate` does for one prompt; one chunk
-runs per engine step, between the live batches' dispatches, so a long prompt does not stall them. The
+its first token sampled from the prefill's logits, exactly as `generate` does for one prompt (its chunks may
+be spread over several engine steps, between the live batches' dispatches: `prefill_chunks_per_step`). The
 one-sequence state is then inserted into a free row of a decode batch (`kvjax.rows.insert_row`), and
 `kvjax.decode_loop.decode_steps`, `generate`'s on-device loop with its append step and kernels, advances
 every live row of the batch `steps_per_dispatch` tokens per call. A finished row (EOS, its token limit, or
@@ -170,18 +170,25 @@ class BatchEngine:
     `prefix_cache_bytes`: room for prefill carries at chunk boundaries, reused by requests whose prompts
     start with the same whole chunks (`kvjax.serving.prefix_states`; 0 turns it off). That budget is
     `self.cache`, a `BytesLRU` that RAG chunk caches may share (`kvjax.rag.ChunkStore(model, lru=engine.cache)`),
-    so one least-recently-used order bounds both.
+    so one least-recently-used order bounds both. `prefill_chunks_per_step`: at most this many prefill
+    chunks run between two dispatches (Sarathi's chunked prefills, interleaved at dispatch granularity: live
+    rows keep decoding while a long prompt prefills); 0, the default, prefills whole prompts first, which
+    measured faster on a 2-core CPU (docs/design.md, "Serving").
     A request that cannot fit `capacity` is refused at `submit` (ValueError); one that fits but finds no
     free row or too few free pages waits, prefilled, until a row finishes."""
 
     def __init__(self, model: Model, *, max_rows: int = 8, capacity: int = 2048, page_size: int = 16,
                  pool_pages: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, prefix_cache_bytes: int = 256 << 20):
+                 steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, prefix_cache_bytes: int = 256 << 20,
+                 prefill_chunks_per_step: int = 0):
         if max_rows < 1 or capacity < 1 or steps_per_dispatch < 1:
             raise ValueError(f"max_rows, capacity and steps_per_dispatch must be >= 1, got {max_rows}, {capacity}, "
                              f"{steps_per_dispatch}")
         self.model, self.max_rows, self.capacity, self.page_size = model, max_rows, capacity, page_size
         self.pool_pages, self.chunk_size, self.steps = pool_pages, chunk_size, steps_per_dispatch
+        if prefill_chunks_per_step < 0:
+            raise ValueError(f"prefill_chunks_per_step must be >= 0 (0: no limit), got {prefill_chunks_per_step}")
+        self.prefill_chunks_per_step = prefill_chunks_per_step
         # one byte budget for prefix carries and whatever else shares it (RAG chunks: ChunkStore(lru=...))
         self.cache = BytesLRU(prefix_cache_bytes)
         self.prefix = PrefixStates(lru=self.cache) if prefix_cache_bytes else None
@@ -260,11 +267,9 @@ class BatchEngine:
     # ------------------------------------------------------------------------------------------ one step
 
     def step(self) -> None:
-        """Insert prefilled requests that fit, run one chunk of the prefill in progress (starting the next
-        waiting request's when none is, and no prefilled request is still waiting for a row), then one
-        dispatch of one live batch (batches take turns). So a long prompt's prefill interleaves with the
-        live rows' decoding chunk by chunk (Sarathi's chunked prefills, at dispatch granularity) rather
-        than stalling them for the whole prompt."""
+        """Insert prefilled requests that fit, prefill (`_advance_prefill`: whole prompts by default, at most
+        `prefill_chunks_per_step` chunks when set, the rest of a prompt continuing next step), then run one
+        dispatch of one live batch (batches take turns)."""
         self._insert_ready()
         self._advance_prefill()
         live = [b for b in self.batches.values() if b.live]
@@ -286,20 +291,26 @@ class BatchEngine:
             self.leaked_pages += state.num_pages - int(state.num_free)
 
     def _advance_prefill(self) -> None:
-        if self._prefill_steps is None:
-            if not self.waiting or self.ready:
-                return
-            self.prefilling = self.waiting.popleft()
-            self._prefill_steps = self._prefill(self.prefilling)
-        try:
-            next(self._prefill_steps)
-            return
-        except StopIteration:  # prefilled, its first token sampled: ready for a row
-            pass
-        except CacheCapacityError as error:  # this request cannot be served; the others go on
-            self.prefilling.finish_reason, self.prefilling.error = "error", str(error)
-        self.prefilling = self._prefill_steps = None
-        self._insert_ready()
+        """Prefill chunks until `prefill_chunks_per_step` ran (0: until no waiting request is left, or one
+        prefilled request waits for a row), inserting each request whose prefill ends."""
+        budget = self.prefill_chunks_per_step or float("inf")
+        ran = 0
+        while ran < budget:
+            if self._prefill_steps is None:
+                if not self.waiting or self.ready:
+                    return
+                self.prefilling = self.waiting.popleft()
+                self._prefill_steps = self._prefill(self.prefilling)
+            try:
+                next(self._prefill_steps)
+                ran += 1
+                continue
+            except StopIteration:  # prefilled, its first token sampled: ready for a row
+                pass
+            except CacheCapacityError as error:  # this request cannot be served; the others go on
+                self.prefilling.finish_reason, self.prefilling.error = "error", str(error)
+            self.prefilling = self._prefill_steps = None
+            self._insert_ready()
 
     def _prefill(self, request: BatchRequest):
         """The request's prefill as a generator yielding after every chunk (`prefill_row_steps`); at its end
