@@ -124,6 +124,7 @@ class ModelConfig:
         sliding_window = hf.get("sliding_window") if model_type in ("mistral", "phi3", "qwen2") else None
         if model_type == "qwen2" and not hf.get("use_sliding_window", False):
             sliding_window = None
+        layer_windows = _layer_windows(hf, model_type, sliding_window)
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -143,6 +144,7 @@ class ModelConfig:
             fused_qkv=is_phi3,
             fused_gate_up=is_phi3,
             sliding_window=sliding_window,
+            layer_windows=layer_windows,
             rope=_rope_config(hf, head_dim),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -155,6 +157,27 @@ class ModelConfig:
             raise FileNotFoundError(f"no config.json in {os.fspath(path)!r}")
         with open(config_path) as f:
             return cls.from_hf_dict(json.load(f))
+
+
+def _layer_windows(hf: dict[str, Any], model_type: str, sliding_window: int | None) -> tuple[int, ...] | None:
+    """Per-layer windows where the config says which layers slide: `layer_types` (transformers 5), or
+    Qwen2's `max_window_layers` (the layers from that index on slide). None: `sliding_window` on every
+    layer (Mistral, Phi-3) or none."""
+    if not sliding_window:
+        return None
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None and model_type == "qwen2":
+        first = hf.get("max_window_layers", layers)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if types is None:
+        return None
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers is {layers}")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"layer_types holds {unknown}; kvjax knows sliding_attention and full_attention")
+    return tuple(sliding_window if t == "sliding_attention" else 0 for t in types)
 
 
 def _rope_config(hf: dict[str, Any], head_dim: int) -> RopeConfig:
