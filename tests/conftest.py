@@ -93,6 +93,14 @@ CONFIGS = {
         bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
         attn_implementation="eager",
     ),
+    # Phi-3 slides every layer; Qwen2 only the layers from max_window_layers on
+    "phi3_sw8": lambda: _phi3_config(sliding_window=8, rope_scaling=None, attn_implementation="eager"),
+    "qwen2_sw8_from1": lambda: transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, use_sliding_window=True, sliding_window=8,
+        max_window_layers=1, bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+        attn_implementation="eager",
+    ),
 }
 MODEL_CLASSES = {"phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                  "mistral": "MistralForCausalLM"}

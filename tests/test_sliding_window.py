@@ -115,25 +115,11 @@ def test_chunk_reuse_refuses_a_windowed_model(mistral):
         assemble(model, ChunkStore(model), [1, 2], [[3, 4, 5]], [6])
 
 
-def test_qwen2_slides_only_the_layers_its_config_names(tmp_path):
+def test_qwen2_slides_only_the_layers_its_config_names(hf_models):
     """Qwen2 with use_sliding_window slides the layers from max_window_layers on (transformers'
     layer_types): kvjax reads the same split and matches transformers past the window."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, use_sliding_window=True, sliding_window=8,
-        max_window_layers=1, bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    hf = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 0.08)
-    hf.save_pretrained(tmp_path)
-    model = kvjax.load_model(tmp_path)
+    hf, path = hf_models("qwen2_sw8_from1")
+    model = kvjax.load_model(path)
     assert model.cfg.windows == (0, 8)
     prompt = random_tokens(8, (26,)).tolist()
     tokens, logprobs = kvjax.generate(model, [prompt], 6, chunk_size=8, page_size=4, return_logprobs=True,
@@ -142,3 +128,12 @@ def test_qwen2_slides_only_the_layers_its_config_names(tmp_path):
     reference = log_softmax(hf_logits(hf, prompt + row[:-1].tolist())[len(prompt) - 1 :])
     np.testing.assert_array_equal(row, reference.argmax(-1))
     np.testing.assert_allclose(np.asarray(logprobs)[0], reference[np.arange(len(row)), row], atol=TOL, rtol=0)
+
+
+def test_phi3_window_matches_transformers(hf_models):
+    hf, path = hf_models("phi3_sw8")
+    model = kvjax.load_model(path)
+    assert model.cfg.windows == (8, 8)
+    tokens = random_tokens(9, (30,))
+    np.testing.assert_allclose(np.asarray(kvjax.forward_logits(model, tokens[None]))[0], hf_logits(hf, tokens),
+                               atol=TOL, rtol=0)
