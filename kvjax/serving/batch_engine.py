@@ -165,8 +165,8 @@ class BatchEngine:
     """Continuous batching over `generate`'s prefill, step and decode loop (module docstring).
 
     `max_rows`: rows per decode batch; `capacity`: tokens one request may reach (prompt plus new tokens)
-    per layer and head; `pool_pages`: pages of each batch's pool (default: `max_rows` full-capacity rows, `row_pages`: a
-    windowed layer needs only its window);
+    per layer and head; `pool_pages`: pages of each batch's pool (default: `max_rows` full-capacity rows,
+    `row_pages`: a windowed layer needs only its window);
     `prefix_cache_bytes`: room for prefill carries at chunk boundaries, reused by requests whose prompts
     start with the same whole chunks (`kvjax.serving.prefix_states`; 0 turns it off). That budget is
     `self.cache`, a `BytesLRU` that RAG chunk caches may share (`kvjax.rag.ChunkStore(model, lru=engine.cache)`),
@@ -193,7 +193,7 @@ class BatchEngine:
         self.cache = BytesLRU(prefix_cache_bytes)
         self.prefix = PrefixStates(lru=self.cache) if prefix_cache_bytes else None
         self.waiting: deque[BatchRequest] = deque()
-        self.prefilling: BatchRequest | None = None  # the request whose prefill runs a chunk a step
+        self.prefilling: BatchRequest | None = None  # the request whose prefill is in progress
         self._prefill_steps = None  # its generator (`_prefill`)
         self.ready: deque[_Prefilled] = deque()
         self.batches: dict[tuple, _Batch] = {}
