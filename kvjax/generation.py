@@ -162,7 +162,7 @@ def prefill_rows(
     """Chunked prefill of validated token rows on `backend` (default: one device, `LOCAL_BACKEND`), with
     `capacity` tokens per (layer, head), LongRoPE decided from `declared_length`, and room for
     `reserve_tokens` more tokens after compression. `progress` shows a bar over the chunks of a prompt of
-    several chunks; `resume` and `on_chunk` reuse a prefix's prefill (`prefill_chunks`). Returns
+    several chunks; `resume` and `on_chunk` reuse a prefix's prefill (`prefill_chunk_steps`). Returns
     `(state, logits f32[B, V])`."""
     return run_to_end(prefill_row_steps(
         model, rows, policy, page_size, capacity, chunk_size, declared_length, reserve_tokens, backend, progress,
@@ -211,8 +211,7 @@ def prefill_chunk_steps(
     resume: PrefillCarry | None = None,
     on_chunk: Callable[[PrefillCarry], None] | None = None,
 ) -> Generator[None, None, tuple[KVState, Any, jax.Array]]:
-    """`prefill_chunks` as a generator yielding after every chunk's step (`prefill_row_steps`).
-
+    """A generator yielding after every chunk's step (`prefill_row_steps`; `run_to_end` runs it through):
     `prefill_rows` up to, not including, the compression after prefill: every chunk appended (and, with a
     chunk schedule, compressed). Returns `(state, window, logits)`, `window` being the carry of the last
     `policy.window_size` queries per layer (`kvjax.step.new_window`) or None.
@@ -297,18 +296,6 @@ def prefill_chunk_steps(
     if error is not None:
         raise error
     return state, window, logits
-
-
-def prefill_chunks(
-    model: Model, rows: list[np.ndarray], policy: Policy, page_size: int, capacity: int, chunk_size: int,
-    declared_length: int, reserve_tokens: int, backend: StepBackend | None = None, progress: bool = False,
-    resume: PrefillCarry | None = None, on_chunk: Callable[[PrefillCarry], None] | None = None,
-) -> tuple[KVState, Any, jax.Array]:
-    """Every chunk of `prefill_chunk_steps` run through: returns `(state, window, logits)`."""
-    return run_to_end(prefill_chunk_steps(
-        model, rows, policy, page_size, capacity, chunk_size, declared_length, reserve_tokens, backend, progress,
-        resume, on_chunk,
-    ))
 
 
 def compress_prefilled(

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.generation import (
-    DEFAULT_CHUNK_SIZE, as_token_lists, bucketed, check_context, compress_prefilled, policy_or_full, prefill_chunks,
+    DEFAULT_CHUNK_SIZE, as_token_lists, bucketed, check_context, compress_prefilled, policy_or_full, prefill_chunk_steps,
+    run_to_end,
 )
 from kvjax.loading import Model
 from kvjax.policies import LayerView, Policy
@@ -97,10 +98,10 @@ def shared_prefill(
     check_context(model.cfg, longest, reserve_tokens, allow_longer_context)
     capacity = bucketed(longest + reserve_tokens) if capacity is None else capacity
     capture = capture_for(policies)
-    state, window, logits = prefill_chunks(
+    state, window, logits = run_to_end(prefill_chunk_steps(
         model, rows, capture, page_size, capacity, chunk_size, longest + reserve_tokens,
         reserve_tokens, progress=progress,
-    )
+    ))
     return SharedPrefill(state, window, logits, tuple(len(r) for r in rows), reserve_tokens, capture)
 
 

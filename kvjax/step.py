@@ -123,7 +123,7 @@ def append_and_attend(
 
 
 def append_and_attend_window(state: KVState, layer, q, k, v, positions, num_new, *, window: int, decoding: bool,
-                             num_layers: int, next_position):
+                             next_position):
     """One layer of an append step in a layer with a sliding window of `window` tokens (a query at p sees
     p - window + 1 .. p). Before the step the layer holds at most the `window - 1` tokens the chunk's first
     query can see; after it, again only those the next token's query can see, so a windowed layer never
@@ -137,10 +137,10 @@ def append_and_attend_window(state: KVState, layer, q, k, v, positions, num_new,
     state = append_to_layer(state, layer, k, v, positions, num_new)
     if decoding:
         out = decode_attention(q, state, layer)
-        view = layer_view(state, layer, num_layers, next_position)
-        oldest = jnp.argmin(jnp.where(view.valid, view.slot_pos, jnp.iinfo(jnp.int32).max), axis=-1).astype(jnp.int32)
+        keys, _, slot_pos, valid = gather_layer(state, layer)  # [B, H, S, D], [B, H, S]
+        oldest = jnp.argmin(jnp.where(valid, slot_pos, jnp.iinfo(jnp.int32).max), axis=-1).astype(jnp.int32)
         full = state.lengths[layer] - (state.hole[layer] >= 0) >= window  # [B, H]
-        return evict_one_slot(state, layer, oldest, full, view.k), out
+        return evict_one_slot(state, layer, oldest, full, keys), out
     out = blocked_paged_attention(q, positions, state, layer, window=window)
     _, _, slot_pos, valid = gather_layer(state, layer)  # [B, H, S]
     keep = valid & (slot_pos > next_position[:, None, None] - window)  # at most window - 1 positions
@@ -279,7 +279,7 @@ def append_step(
             if window:
                 state, out = append_and_attend_window(
                     state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, window=window,
-                    decoding=decoding, num_layers=cfg.num_layers, next_position=seen,
+                    decoding=decoding, next_position=seen,
                 )
                 return out, state
             score = roles.chunks.score(layer, inputs, policy_params) if roles.chunks is not None else None

@@ -135,6 +135,15 @@ def hf_models(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def mistral(hf_models):
+    """(transformers model, kvjax model) of the tiny Mistral with a 12-token window on every layer."""
+    import kvjax
+
+    hf, path = hf_models("mistral_sw12")
+    return hf, kvjax.load_model(path)
+
+
 def random_tokens(seed: int, shape, vocab: int = VOCAB) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=shape).astype(np.int32)
 

@@ -128,12 +128,6 @@ def test_alternating_sliding_and_full_layers_match_dense_reference(llama):
         assert_matches_dense(llama, windows, prompt, engine.finished[rid])
 
 
-@pytest.fixture(scope="module")
-def mistral(hf_models):
-    hf, path = hf_models("mistral_sw12")
-    return hf, kvjax.load_model(path)
-
-
 def test_every_layer_windowed_matches_transformers_mistral(mistral):
     hf, model = mistral
     assert model.cfg.sliding_window == 12

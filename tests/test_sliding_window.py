@@ -21,12 +21,6 @@ TOL = 1e-4
 WINDOW = 12  # mistral_sw12's
 
 
-@pytest.fixture(scope="module")
-def mistral(hf_models):
-    hf, path = hf_models("mistral_sw12")
-    return hf, kvjax.load_model(path)
-
-
 def hf_logits(hf, tokens) -> np.ndarray:
     with torch.no_grad():
         return hf(torch.tensor([list(tokens)])).logits[0].float().numpy()
