@@ -164,18 +164,31 @@ def _drop_compiled_programs():
 _BACKGROUND: dict[tuple, object] = {}
 
 
+def start_background_runs(module) -> None:
+    """Start every worker run `module` asks for (`BACKGROUND_RUNS`, a tuple of argument tuples;
+    tests/test_sharding.py) that is not running yet, each a separate process."""
+    for args in getattr(module, "BACKGROUND_RUNS", ()):
+        if args not in _BACKGROUND:
+            _BACKGROUND[args] = module.start_worker(*args)
+
+
 @pytest.hookimpl(trylast=True)  # after -m / -k deselection
 def pytest_collection_modifyitems(session, config, items):
-    """Start the background worker runs a selected module asks for (`BACKGROUND_RUNS`, a tuple of argument
-    tuples; tests/test_sharding.py), once collection knows which tests will run, so they overlap with the
-    other tests. `take_background_run` hands a run to its test. KVJAX_TEST_NO_BACKGROUND=1 turns it off."""
-    if os.environ.get("KVJAX_TEST_NO_BACKGROUND"):
+    """Start the background worker runs of the selected modules once collection knows which tests will run,
+    so they overlap with the other tests. `take_background_run` hands a run to its test.
+    KVJAX_TEST_NO_BACKGROUND=1 turns it off. Under pytest-xdist every worker collects every test, so each
+    would start every run: there the module's own fixture starts them (`_background_runs`), in the one
+    worker that runs the module (`--dist loadfile`), all at once, beside one another."""
+    if os.environ.get("KVJAX_TEST_NO_BACKGROUND") or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    modules = {item.module for item in items if getattr(item, "module", None) is not None}
-    for module in modules:
-        for args in getattr(module, "BACKGROUND_RUNS", ()):
-            if args not in _BACKGROUND:
-                _BACKGROUND[args] = module.start_worker(*args)
+    for module in {item.module for item in items if getattr(item, "module", None) is not None}:
+        start_background_runs(module)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _background_runs(request):
+    if not os.environ.get("KVJAX_TEST_NO_BACKGROUND"):
+        start_background_runs(request.module)
 
 
 def take_background_run(args: tuple):

@@ -68,6 +68,32 @@ def test_bad_recipe_arguments_name_the_field(tokenizer, corpus):
         la.real_text_row(tokenizer, 0, 256, corpus=corpus, min_answer=400, max_answer=400)
 
 
+def test_needle_rows_are_the_needle_tasks_seeded_per_row(tokenizer, corpus, tmp_path, monkeypatch):
+    rows = la.needle_rows(tokenizer, 4, LENGTHS, seed=7, corpus=corpus)
+    assert la.needle_rows(tokenizer, 2, LENGTHS, seed=7, corpus=corpus) == rows[:2]  # row i seeded by (seed, i)
+    assert [r["kind"] for r in rows] == ["niah_multikey", "niah_multivalue"] * 2
+    for i, row in enumerate(rows):
+        values = row["output"].split(", ")
+        assert len(values) == (4 if row["kind"] == "niah_multivalue" else 1)
+        for value in values:  # every asked value is in the prompt, in its needle sentence
+            assert re.search(r"One of the special magic numbers for [\w-]+ is: " + value, row["instruction"])
+        assert row["instruction"].rstrip().endswith("mentioned in the provided text?")  # the question, no answer
+        n = len(tokenizer(row["instruction"], add_special_tokens=False)["input_ids"])
+        assert abs(n - LENGTHS[i % 2]) <= 0.02 * LENGTHS[i % 2], (n, row["length"])
+    with pytest.raises(ValueError, match="tasks must be"):
+        la.needle_row(tokenizer, 0, 256, tasks=("needle",), corpus=corpus)
+    book = tmp_path / "book.txt"
+    book.write_text(corpus.text)
+    import kvjax
+
+    monkeypatch.setattr(kvjax, "load_model", lambda name: types.SimpleNamespace(tokenizer=tokenizer))
+    out = str(tmp_path / "needles.jsonl")
+    locret_data.main(["--recipe", "needles", "--model", "any", "--out", out, "--rows", "4", "--lengths", "256",
+                      "512", "--seed", "7", "--corpus", str(book), "--no-progress"])
+    with open(out) as f:
+        assert [json.loads(line) for line in f] == la.needle_rows(tokenizer, 4, LENGTHS, seed=7, corpus=la.real_text.load_corpus(str(book)))
+
+
 def test_file_writer_and_trainer_reader(tokenizer, corpus, rows, tmp_path, monkeypatch):
     book = tmp_path / "book.txt"
     book.write_text(corpus.text)

@@ -4,7 +4,9 @@ Training data for retaining heads when LongAlpaca-12k itself cannot be had (no d
 
 - `multikey_rows`: synthetic records hidden in filler (`kvjax.tasks.synthetic`), for the shipped tiny model;
 - `real_text_rows`: long real text (`kvjax.tasks.real_text`: Debian's licence texts unless a corpus is
-  given) with a question whose answer is a span of that text, for real models.
+  given) with a question whose answer is a span of that text, for real models;
+- `needle_rows`: the real-text needle tasks themselves (`kvjax.tasks.needles`: RULER's multi-key and
+  multi-value needles by default), for heads meant to keep needles (an ablation of the labels: see below).
 
 **The real-text recipe** (`real_text_rows(tokenizer, num_rows, lengths, seed)`). Row `i` draws everything
 from its own generator `np.random.default_rng([seed, i])`, so a row depends only on (seed, i, its length,
@@ -28,6 +30,17 @@ usable sentence is redrawn (up to `MAX_TRIES` times, then `ValueError`). The cor
 tokens, so windows of 8K overlap across rows: the rows differ in window start, sentence and task.
 
     python -m train.locret_data --model smollm2-135m --out data/locret_real_text.jsonl --rows 600 --lengths 2048 4096 8192
+
+**The needle recipe** (`needle_rows(tokenizer, num_rows, lengths, seed, tasks)`). Row `i` is sample 0 of
+`kvjax.tasks.needles.make_samples(tasks[i % len(tasks)], tokenizer, lengths[i % len(lengths)], 1,
+rng=[seed, i])` in the plain layout (no chat template: training applies the model's own): the instruction
+is the whole prompt (instruction, filler with its needles, question) and the output the asked value(s),
+comma-separated. Its answer's queries look at the needle, so the labels single out a sentence that stands
+out from its filler, which is what retrieval asks the heads to keep. Evaluating heads trained on these rows
+on the same tasks measures what such labels can do, not generalisation: keep the passkey (another wording)
+as the held-out task, and the seeds apart from the evaluation's (it draws from seed 0).
+
+    python -m train.locret_data --recipe needles --model smollm2-135m --out data/locret_needles.jsonl --rows 300 --lengths 1024 2048 --seed 1000
 """
 
 from __future__ import annotations
@@ -135,6 +148,39 @@ def real_text_rows(tokenizer, num_rows: int, lengths: Sequence[int] = (2048,), s
         real_text_row(tokenizer, i, lengths[i % len(lengths)], seed, kinds, tc, min_answer, max_answer)
         for i in tqdm(range(num_rows), desc="real-text rows", unit="row", disable=not progress)
     ]
+
+
+NEEDLE_TRAINING_TASKS = ("niah_multikey", "niah_multivalue")
+
+
+def needle_row(tokenizer, index: int, length: int, seed: int = 1000, tasks: Sequence[str] = NEEDLE_TRAINING_TASKS,
+               corpus: real_text.Corpus | real_text.TokenizedCorpus | None = None) -> dict:
+    """Row `index` of the needle recipe (module docstring): `instruction`, `output`, and the provenance
+    fields `kind` (the task), `depth` and `length`."""
+    from kvjax.tasks import needles
+
+    if not tasks or any(t not in needles.TASKS for t in tasks):
+        raise ValueError(f"tasks must be a non-empty subset of {list(needles.TASKS)}, got {list(tasks)}")
+    task = tasks[index % len(tasks)]
+    (sample,) = needles.make_samples(task, tokenizer, length, 1, np.random.default_rng([seed, index]),
+                                     chat=False, answer_prefix=False, corpus=corpus)
+    instruction = tokenizer.decode(sample.prompt_ids, skip_special_tokens=True)
+    return {"instruction": instruction, "output": ", ".join(sample.answers), "kind": task,
+            "depth": sample.depth, "length": length}
+
+
+def needle_rows(tokenizer, num_rows: int, lengths: Sequence[int] = (2048,), seed: int = 1000,
+                tasks: Sequence[str] = NEEDLE_TRAINING_TASKS, corpus: real_text.Corpus | None = None,
+                progress: bool = False) -> list[dict]:
+    """`num_rows` rows of the needle recipe, row `i` a prompt of `lengths[i % len(lengths)]` tokens of
+    `tokenizer` (module docstring). Seeded: the same arguments give the same rows."""
+    from tqdm import tqdm
+
+    if num_rows < 0 or not lengths or min(lengths) < 1:
+        raise ValueError(f"need num_rows >= 0 and positive lengths, got num_rows={num_rows}, lengths={list(lengths)}")
+    tc = real_text.tokenize_corpus(tokenizer, corpus)
+    return [needle_row(tokenizer, i, lengths[i % len(lengths)], seed, tasks, tc)
+            for i in tqdm(range(num_rows), desc="needle rows", unit="row", disable=not progress)]
 
 
 def write_jsonl(rows: list[dict], path: str) -> str:
