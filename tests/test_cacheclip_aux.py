@@ -17,6 +17,7 @@ from kvjax.rag import AuxScorer, ChunkStore, assemble, truncated_model
 from kvjax.rag.aux_tuning import aux_attention, load_aux, selection_recall
 from kvjax.tasks.rag_records import rag_prompt
 from kvjax.train import cacheclip_aux
+from test_real_tasks import corpus, tokenizer  # noqa: F401  (fixtures: a small BPE, no download)
 
 SMALL = ["--samples", "8", "--eval-samples", "4", "--chunks", "3", "--chunk-len", "48", "--records", "3",
          "--batch-size", "2", "--lr", "2e-3", "--warmup", "1", "--save-every", "4", "--no-progress"]
@@ -77,3 +78,23 @@ def test_tuned_model_loads_and_scores_with_its_weights(model, whole_run):
     prefix, chunks, question, _ = rag_prompt(model.tokenizer, np.random.default_rng(4), 3, 48, 3, straddle=True)
     ctx = assemble(model, ChunkStore(model), prefix, chunks, question, max_new_tokens=4)
     assert not np.allclose(AuxScorer(tuned, context="full").scores(ctx), AuxScorer(untuned, context="full").scores(ctx))
+
+
+def test_real_text_prompts_share_one_shape_and_end_with_the_value(tokenizer):
+    """`--task real`: rag_real requests (straddle, split, inside cycled; straddle only held out), context then
+    query then the value's tokens, one shape, `after_boundary` the asked fact's tokens after the boundary."""
+    tok = tokenizer  # test_real_tasks' small BPE; the chunks are the default corpus (Debian's licence texts)
+    args = cacheclip_aux.parse_args(["--task", "real", "--chunks", "3", "--chunk-len", "64", "--records", "2"])
+    data = cacheclip_aux.prompts(tok, 6, args, seed=5)
+    assert [m["kind"] for _, _, m in data] == ["straddle", "split", "inside"] * 2
+    assert all(m["kind"] == "straddle" for _, _, m in cacheclip_aux.prompts(tok, 2, args, seed=6, straddle_only=True))
+    for tokens, context_len, meta in data:
+        answer = tokens[len(tokens) - meta["answer_len"]:]
+        assert tok.decode(answer.tolist()).strip() == meta["answer"] + "."
+        assert len(tokens) == context_len + meta["question_len"] + meta["answer_len"]
+        if meta["kind"] == "inside":
+            assert meta["after_boundary"] is None
+        else:  # the fact's tail after the boundary: inside the context, ending with the value's period
+            after = meta["after_boundary"]
+            assert after.max() < context_len and tok.decode(tokens[after].tolist()).endswith(".")
+            assert meta["answer"][-1] in tok.decode(tokens[after].tolist())

@@ -2,13 +2,18 @@
 
     python -m train.cacheclip_aux --model tiny --aux-layers 1 --steps 300 --out runs/cacheclip-aux
     kvjax train cacheclip-aux --model tiny --out runs/cacheclip-aux
+    kvjax train cacheclip-aux --model smollm2-135m --task real --aux-layers 4 --out runs/cacheclip-aux-smollm2
 
 The auxiliary model starts as the main model's first `--aux-layers` layers (with its embeddings, final
 norm and head: `kvjax.rag.truncated_model`) and is trained so that its last-layer attention from the
 question matches the main model's (averaged over layers) on the context: KL, `kvjax.rag.aux_tuning`.
-Data: `kvjax.tasks.rag_records` prompts (system prefix, `--chunks` chunks of `--chunk-len` words holding
-records, a question; half ask a record that straddles a chunk boundary), seeded by `--seed`; the main
-model's targets are computed once per prompt. Optax AdamW, orbax checkpoints every `--save-every` steps;
+Data (`--task records`, the default): `kvjax.tasks.rag_records` prompts (system prefix, `--chunks` chunks of
+`--chunk-len` words holding records, a question; half ask a record that straddles a chunk boundary).
+`--task real`, for real models: `kvjax.tasks.rag_real` requests (real prose chunks in the chat template,
+`--records - 1` distractor facts), cycling through the kinds straddle, split and inside (the held-out
+prompts: straddle); two-hop questions are left out of training, so every prompt has one shape and the
+evaluation's two-hop set stays unseen. The answer rows are the value's tokens. Seeded by `--seed`; the
+main model's targets are computed once per prompt. Optax AdamW, orbax checkpoints every `--save-every` steps;
 a run started again with the same `--out` resumes from its latest checkpoint and repeats exactly what an
 uninterrupted run does.
 
@@ -36,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--aux-layers", type=int, default=None, help="layers of the auxiliary model (default: half)")
     p.add_argument("--samples", type=int, default=400, help="training prompts")
     p.add_argument("--eval-samples", type=int, default=50, help="held-out straddling prompts for recall")
+    p.add_argument("--task", choices=["records", "real"], default="records",
+                   help="records: synthetic records (the tiny model); real: cross-chunk facts in real text (real models)")
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--chunk-len", type=int, default=256)
     p.add_argument("--records", type=int, default=6)
@@ -63,13 +70,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def prompts(tokenizer, count: int, args, seed: int, straddle_only: bool = False):
     """`count` prompts as (tokens int32[T], context_len, meta): context, question, then the answer's tokens
-    (the record's digits, teacher-forced); every prompt has the same T and the same question and answer
-    lengths (meta["question_len"], meta["answer_len"])."""
+    (teacher-forced); every prompt has the same T and the same question and answer lengths
+    (meta["question_len"], meta["answer_len"])."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    build = _real_prompts if args.task == "real" else _record_prompts
+    out = build(tokenizer, count, args, rng, straddle_only)
+    shapes = {(len(t), m["question_len"], m["answer_len"]) for t, _, m in out}
+    if len(shapes) != 1:
+        raise ValueError(f"prompts of several shapes {sorted(shapes)}: the recipe should give one")
+    return out
+
+
+def _record_prompts(tokenizer, count: int, args, rng, straddle_only: bool) -> list:
+    """`prompts` from `kvjax.tasks.rag_records`, half asking a straddling record (all when `straddle_only`),
+    the answer the record's digits."""
     import numpy as np
 
     from kvjax.tasks.rag_records import encode_words, rag_prompt
 
-    rng = np.random.default_rng(seed)
     out = []
     for i in range(count):
         prefix, chunks, question, meta = rag_prompt(tokenizer, rng, args.chunks, args.chunk_len, args.records,
@@ -78,9 +98,31 @@ def prompts(tokenizer, count: int, args, seed: int, straddle_only: bool = False)
         answer = encode_words(tokenizer, list(meta["answer"]))
         meta = dict(meta, question_len=len(question), answer_len=len(answer))
         out.append((np.concatenate([context, question, answer]).astype(np.int32), len(context), meta))
-    shapes = {(len(t), m["question_len"], m["answer_len"]) for t, _, m in out}
-    if len(shapes) != 1:
-        raise ValueError(f"prompts of several shapes {sorted(shapes)}: the recipe should give one")
+    return out
+
+
+REAL_TRAINING_KINDS = ("straddle", "split", "inside")
+
+
+def _real_prompts(tokenizer, count: int, args, rng, straddle_only: bool) -> list:
+    """`prompts` from `kvjax.tasks.rag_real`: request i of kind `REAL_TRAINING_KINDS[i % 3]` (straddle only
+    for held-out prompts), its answer the value's tokens (" 1234567.")."""
+    import numpy as np
+
+    from kvjax.tasks import rag_real
+
+    kinds = ("straddle",) if straddle_only else REAL_TRAINING_KINDS
+    counts = {k: len(range(j, count, len(kinds))) for j, k in enumerate(kinds)}
+    requests = {k: iter(rag_real.rag_requests(tokenizer, k, n, rng, num_chunks=args.chunks, chunk_len=args.chunk_len,
+                                              num_distractors=args.records - 1)) for k, n in counts.items() if n}
+    out = []
+    for i in range(count):
+        request = next(requests[kinds[i % len(kinds)]])
+        context = np.concatenate([request.prefix, *request.chunks])
+        answer = np.asarray(rag_real._ids(tokenizer, rag_real.FACT_VALUE.format(value=request.answer)), np.int32)
+        meta = {"kind": request.kind, "answer": request.answer, "after_boundary": request.after_boundary,
+                "question_len": len(request.query), "answer_len": len(answer)}
+        out.append((np.concatenate([context, request.query, answer]).astype(np.int32), len(context), meta))
     return out
 
 
