@@ -83,7 +83,7 @@ def test_tuned_model_loads_and_scores_with_its_weights(model, whole_run):
 def test_real_text_prompts_share_one_shape_and_end_with_the_value(tokenizer):
     """`--task real`: rag_real requests (straddle, split, inside cycled; straddle only held out), context then
     query then the value's tokens, one shape, `after_boundary` the asked fact's tokens after the boundary."""
-    tok = tokenizer  # test_real_tasks' small BPE; the chunks are the default corpus (Debian's licence texts)
+    tok = tokenizer  # test_real_tasks' small BPE; the chunks come from the default corpus (Debian's licence texts)
     args = cacheclip_aux.parse_args(["--task", "real", "--chunks", "3", "--chunk-len", "64", "--records", "2"])
     data = cacheclip_aux.prompts(tok, 6, args, seed=5)
     assert [m["kind"] for _, _, m in data] == ["straddle", "split", "inside"] * 2

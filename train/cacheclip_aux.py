@@ -119,7 +119,7 @@ def _real_prompts(tokenizer, count: int, args, rng, straddle_only: bool) -> list
     for i in range(count):
         request = next(requests[kinds[i % len(kinds)]])
         context = np.concatenate([request.prefix, *request.chunks])
-        answer = np.asarray(rag_real._ids(tokenizer, rag_real.FACT_VALUE.format(value=request.answer)), np.int32)
+        answer = np.asarray(request.value_ids(tokenizer), np.int32)
         meta = {"kind": request.kind, "answer": request.answer, "after_boundary": request.after_boundary,
                 "question_len": len(request.query), "answer_len": len(answer)}
         out.append((np.concatenate([context, request.query, answer]).astype(np.int32), len(context), meta))

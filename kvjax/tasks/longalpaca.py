@@ -51,7 +51,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvjax.tasks import real_text
+from kvjax.tasks import needles, real_text
 from kvjax.tasks.synthetic import digits, multikey_sample
 
 REAL_TEXT_KINDS = ("continue", "next")
@@ -157,8 +157,6 @@ def needle_row(tokenizer, index: int, length: int, seed: int = 1000, tasks: Sequ
                corpus: real_text.Corpus | real_text.TokenizedCorpus | None = None) -> dict:
     """Row `index` of the needle recipe (module docstring): `instruction`, `output`, and the provenance
     fields `kind` (the task), `depth` and `length`."""
-    from kvjax.tasks import needles
-
     if not tasks or any(t not in needles.TASKS for t in tasks):
         raise ValueError(f"tasks must be a non-empty subset of {list(needles.TASKS)}, got {list(tasks)}")
     task = tasks[index % len(tasks)]

@@ -57,6 +57,11 @@ class RagRequest:
     after_boundary: np.ndarray | None  # assembled slots of the asked fact's tokens after a chunk boundary
     max_new_tokens: int = MAX_NEW_TOKENS
 
+    def value_ids(self, tokenizer) -> list[int]:
+        """The asked value as it ends its fact (" 1234567."), in `tokenizer`'s ids: the answer a tuning
+        run teacher-forces."""
+        return _ids(tokenizer, FACT_VALUE.format(value=self.answer))
+
     def correct(self, text: str) -> bool:
         """RULER's string match: the value occurs in the generated text."""
         return self.answer in text
