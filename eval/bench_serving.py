@@ -6,17 +6,12 @@ Measured per (config, allocator): memory waste (allocated bytes holding nothing 
 averaged), the most requests of a fixed shape resident at once, requests completed per simulated step,
 and the prefix hit rate.
 
-Engine half: kvjax.serving.Engine serving a tiny random Llama with Gemma-2's alternating sliding/full
-layers for real (JAX, the pool read through its typed views), Jenga against uniform paging on the same
-pool and trace: generated tokens per second, tokens per step, most requests resident at once, prefix
-hit rate, waste, and whether both produced the same tokens.
-
-Writes bench_serving[_quick][_<part>].{json,md,png} under --out (default ./kvjax-results/serving; the committed
-run is in eval/results/serving). Both parts: also _engine.png.
+Writes bench_serving[_quick].{json,md,png} under --out (default ./kvjax-results/serving; the committed
+run is in eval/results/serving). Served memory on a real model (the batch engine's pages against Jenga and
+uniform paging of the same live requests) is measured by `eval/bench_load.py`.
 
     python -m eval.bench_serving --quick        # a minute or two
     python -m eval.bench_serving                # the full run (committed with --out eval/results/serving)
-    python -m eval.bench_serving --part engine  # only the engine half
 """
 
 from __future__ import annotations
@@ -35,7 +30,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvjax.config import ModelConfig
 from kvjax.serving import (
     AuxiliaryModelSpec,
     BudgetedSpec,
@@ -411,122 +405,6 @@ def run_allocator_part(args) -> dict:
 
 
 # =====================================================================================================
-# Engine: a tiny model served for real
-# =====================================================================================================
-def engine_model(args):
-    """A tiny random Llama (4 layers, 4 heads, 2 kv heads of 16 dims, float32) and Gemma-2's layer pattern:
-    layers 0 and 2 attend through a sliding window of `--engine-window` tokens, layers 1 and 3 fully."""
-    import jax.numpy as jnp
-
-    from kvjax.loading import Model, init_params
-    from kvjax.serving.model_groups import alternating_windows
-
-    cfg = ModelConfig(
-        model_type="llama", vocab_size=args.engine_vocab, hidden_size=64, intermediate_size=128, num_layers=4,
-        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=8192,
-    )
-    model = Model(cfg=cfg, params=init_params(cfg, seed=0, dtype="float32"), dtype=jnp.float32)
-    return model, alternating_windows(cfg.num_layers, args.engine_window)
-
-
-def make_engine_trace(args, seed: int) -> list[tuple[list[int], int]]:
-    """(prompt, max_new_tokens) pairs: a share of prompts start with one of a few shared prefixes
-    (Zipf popularity), then a unique suffix; log-uniform lengths. All are submitted at once."""
-    rng = random.Random(seed)
-    vocab = args.engine_vocab
-    prefixes = [
-        [rng.randrange(vocab) for _ in range(log_uniform(rng, args.engine_prefix_min, args.engine_prefix_max))]
-        for _ in range(args.engine_num_prefixes)
-    ]
-    weights = [1.0 / (rank + 1) for rank in range(args.engine_num_prefixes)]
-    trace = []
-    for _ in range(args.engine_num_requests):
-        shared = rng.choices(prefixes, weights)[0] if rng.random() < args.shared_fraction else []
-        suffix = [rng.randrange(vocab) for _ in range(log_uniform(rng, args.engine_suffix_min, args.engine_suffix_max))]
-        trace.append((shared + suffix, log_uniform(rng, args.engine_output_min, args.engine_output_max)))
-    return trace
-
-
-def build_engine(model, windows, paging: str, args, max_model_len: int):
-    from kvjax.serving.engine import Engine
-
-    return Engine(
-        model, windows=windows, paging=paging, pool_bytes=int(args.engine_pool_kib * 1024), tokens_per_page=16,
-        chunk_size=args.engine_chunk, max_num_seqs=args.engine_max_seqs, max_num_batched_tokens=args.engine_step_tokens,
-        stats_every=args.engine_stats_every, buckets="max", max_model_len=max_model_len,
-    )
-
-
-def run_engine(paging: str, model, windows, trace, args) -> tuple[dict, dict]:
-    """Serves the trace on a fresh engine after compiling its two step shapes on a warm-up engine of the
-    same geometry (compiles are not timed). Returns (result, outputs by trace index)."""
-    from kvjax.compile_count import count_compiles
-
-    max_model_len = max(len(prompt) + new for prompt, new in trace)
-    warm = build_engine(model, windows, paging, args, max_model_len)
-    warm.generate([list(range(args.engine_chunk + 3))], 2)  # one prefill and one decode shape
-    with count_compiles() as compiles:  # model-step programs built while timed (0 when the warm-up covered them)
-        engine = build_engine(model, windows, paging, args, max_model_len)
-        ids = [engine.submit(prompt, new) for prompt, new in trace]
-        progress = tqdm(total=len(trace), desc=f"engine/{paging}", leave=False, unit="req")
-        wall, cpu = time.perf_counter(), time.process_time()
-        while engine.has_unfinished:
-            progress.update(len(engine.step()))
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    progress.close()
-    metrics = engine.metrics
-    samples = metrics.waste_samples
-    held = sum(s["held_bytes"] for s in samples)
-    in_use = held - sum(s["reusable_bytes"] for s in samples)
-    layout = engine.layout
-    result = {
-        "paging": paging,
-        "pool_bytes": layout.pool_bytes,
-        "large_page_bytes": layout.large_page_bytes,
-        "groups": [{"name": s.name, "page_bytes": s.page_bytes} for s in layout.specs],
-        "wall_s": wall,
-        "cpu_s": cpu,
-        "steps": metrics.steps,
-        "model_calls": metrics.model_calls,
-        "compiles_while_timed": compiles.of("paged_model_step"),
-        "generated_tokens": metrics.generated_tokens,
-        "computed_tokens": metrics.computed_tokens,
-        "generated_tokens_per_s": metrics.generated_tokens / wall,
-        "generated_tokens_per_cpu_s": metrics.generated_tokens / cpu,
-        "computed_tokens_per_step": metrics.computed_tokens / metrics.steps,
-        "requests_per_step": metrics.finished / metrics.steps,
-        "peak_running": metrics.peak_running,
-        "mean_running": metrics.mean_running,
-        "preemptions": metrics.preemptions,
-        "prefix_hit_rate": metrics.prefix_hit_rate,
-        "waste_fraction": metrics.waste_fraction,
-        "waste_fraction_of_in_use": sum(s["waste_bytes"] for s in samples) / in_use if in_use else 0.0,
-        "samples": samples,
-    }
-    return result, {index: engine.finished[rid].token_ids.tolist() for index, rid in enumerate(ids)}
-
-
-def run_engine_part(args) -> dict:
-    model, windows = engine_model(args)
-    trace = make_engine_trace(args, seed=args.seed + 1)
-    runs, outputs = [], {}
-    for paging in ("jenga", "uniform"):
-        result, outputs[paging] = run_engine(paging, model, windows, trace, args)
-        runs.append(result)
-    return {
-        "model": {"layers": model.cfg.num_layers, "windows": list(windows), "kv_heads": model.cfg.num_kv_heads,
-                  "head_dim": model.cfg.head_dim, "dtype": "float32", "vocab": model.cfg.vocab_size},
-        "trace": {
-            "num_requests": len(trace),
-            "mean_prompt_tokens": sum(len(p) for p, _ in trace) / len(trace),
-            "mean_output_tokens": sum(n for _, n in trace) / len(trace),
-        },
-        "identical_outputs": outputs["jenga"] == outputs["uniform"],
-        "runs": runs,
-    }
-
-
-# =====================================================================================================
 # Report
 # =====================================================================================================
 def ratio(value, base):
@@ -539,54 +417,12 @@ def run_all(args) -> dict:
         "args": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
         "host": {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count()},
     }
-    if args.part in ("all", "allocator"):
-        report.update(run_allocator_part(args))
-    if args.part in ("all", "engine"):
-        report["engine"] = run_engine_part(args)
+    report.update(run_allocator_part(args))
     return report
 
 
 def markdown_table(report: dict) -> str:
-    parts = []
-    if "runs" in report:
-        parts.append(allocator_table(report))
-    if "engine" in report:
-        parts.append(engine_table(report))
-    return "\n".join(parts)
-
-
-def engine_table(report: dict) -> str:
-    engine, args = report["engine"], report["args"]
-    runs = engine["runs"]
-    base = next(r for r in runs if r["paging"] == "uniform")
-    windows = ", ".join("full" if not w else str(w) for w in engine["model"]["windows"])
-    lines = [
-        f"Engine: a tiny random Llama ({engine['model']['layers']} layers, windows [{windows}], "
-        f"{engine['model']['kv_heads']} kv heads x {engine['model']['head_dim']}, float32) served by kvjax.serving.Engine "
-        f"on a {args['engine_pool_kib']:g} KiB pool; {engine['trace']['num_requests']} requests submitted at once (mean prompt "
-        f"{engine['trace']['mean_prompt_tokens']:.0f} tokens, mean output {engine['trace']['mean_output_tokens']:.0f}), "
-        f"chunk {args['engine_chunk']}, at most {args['engine_max_seqs']} running and {args['engine_step_tokens']} tokens per step. "
-        f"Same tokens from both layouts: {engine['identical_outputs']}. Times exclude compiles; tokens per CPU-second "
-        "count this process's CPU time (the machine was shared).",
-        "",
-        "| paging | pool | large page | waste % held | waste % in use | max running (x uniform) | mean running "
-        "| steps | generated tokens per step (x uniform) | computed tokens per step | generated tok/s (x uniform) "
-        "| generated tok per CPU-s (x uniform) | prefix hit % | preemptions |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in runs:
-        lines.append(
-            f"| {r['paging']} | {r['pool_bytes'] / 2**10:g} KiB | {r['large_page_bytes'] / 2**10:g} KiB | "
-            f"{100 * r['waste_fraction']:.2f} | {100 * r['waste_fraction_of_in_use']:.2f} | "
-            f"{r['peak_running']} ({ratio(r['peak_running'], base['peak_running']):.2f}x) | {r['mean_running']:.1f} | "
-            f"{r['steps']} | {r['generated_tokens'] / r['steps']:.2f} "
-            f"({ratio(r['generated_tokens'] / r['steps'], base['generated_tokens'] / base['steps']):.2f}x) | "
-            f"{r['computed_tokens_per_step']:.1f} | "
-            f"{r['generated_tokens_per_s']:.1f} ({ratio(r['generated_tokens_per_s'], base['generated_tokens_per_s']):.2f}x) | "
-            f"{r['generated_tokens_per_cpu_s']:.1f} ({ratio(r['generated_tokens_per_cpu_s'], base['generated_tokens_per_cpu_s']):.2f}x) | "
-            f"{100 * r['prefix_hit_rate']:.1f} | {r['preemptions']} |"
-        )
-    return "\n".join(lines) + "\n"
+    return allocator_table(report)
 
 
 def allocator_table(report: dict) -> str:
@@ -655,44 +491,13 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_engine(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = report["engine"]["runs"]
-    colors = {"jenga": "tab:blue", "uniform": "tab:gray"}
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
-    panels = (
-        ("waste_fraction", 100, "waste (% of held bytes)"),
-        ("peak_running", 1, "max running requests"),
-        ("requests_per_step", 1, "requests finished per step"),
-    )
-    for ax, (key, scale, title) in zip(axes, panels):
-        ax.bar([r["paging"] for r in runs], [scale * r[key] for r in runs], color=[colors[r["paging"]] for r in runs])
-        ax.set_title(title)
-    for r in runs:
-        axes[3].plot([s["step"] for s in r["samples"]], [s["running"] for s in r["samples"]], label=r["paging"], color=colors[r["paging"]])
-    axes[3].set_title("running requests over the run")
-    axes[3].set_xlabel("engine step")
-    axes[3].legend()
-    fig.suptitle("kvjax.serving.Engine, tiny Gemma-2-like model: Jenga vs uniform paging on the same pool")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def write_outputs(report: dict, out_dir: Path, stem: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(report, indent=1))
     (out_dir / f"{stem}.md").write_text(markdown_table(report))
     saved = json.loads(json_path.read_text())  # figures come from the JSON
-    if "runs" in saved:
-        plot(saved, out_dir / f"{stem}.png")
-    if "engine" in saved:
-        plot_engine(saved, out_dir / (f"{stem}_engine.png" if "runs" in saved else f"{stem}.png"))
+    plot(saved, out_dir / f"{stem}.png")
 
 
 def parse_args(argv=None):
@@ -718,30 +523,11 @@ def parse_args(argv=None):
     parser.add_argument("--max-steps", type=int, default=200_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", "--out-dir", dest="out_dir", type=Path, default=Path(default_out("serving")))
-    parser.add_argument("--part", choices=("all", "allocator", "engine"), default="all",
-                        help="allocator replay, engine serving a tiny model, or both")
     parser.add_argument("--json", action="store_true", help="print the result JSON to stdout (tables go to stderr)")
-    engine = parser.add_argument_group("engine half (a tiny model served for real)")
-    engine.add_argument("--engine-num-requests", type=int, default=48)
-    engine.add_argument("--engine-pool-kib", type=float, default=2048, help="pool small enough that memory limits the batch")
-    engine.add_argument("--engine-window", type=int, default=64, help="sliding window of the local layers")
-    engine.add_argument("--engine-vocab", type=int, default=512)
-    engine.add_argument("--engine-num-prefixes", type=int, default=4)
-    engine.add_argument("--engine-prefix-min", type=int, default=128)
-    engine.add_argument("--engine-prefix-max", type=int, default=512)
-    engine.add_argument("--engine-suffix-min", type=int, default=16)
-    engine.add_argument("--engine-suffix-max", type=int, default=256)
-    engine.add_argument("--engine-output-min", type=int, default=8)
-    engine.add_argument("--engine-output-max", type=int, default=64)
-    engine.add_argument("--engine-chunk", type=int, default=64)
-    engine.add_argument("--engine-max-seqs", type=int, default=16)
-    engine.add_argument("--engine-step-tokens", type=int, default=512)
-    engine.add_argument("--engine-stats-every", type=int, default=4, help="engine steps between pool-usage samples")
     args = parser.parse_args(argv)
     if args.quick:
         args.pool_gib, args.num_requests, args.sample_every = 8.0, 40, 16
         args.prefix_max, args.suffix_max, args.output_max = 8192, 2048, 512
-        args.engine_num_requests, args.engine_pool_kib, args.engine_output_max = 16, 1024, 24
     return args
 
 
@@ -749,8 +535,6 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     report = run_all(args)
     stem = "bench_serving_quick" if args.quick else "bench_serving"
-    if args.part != "all":
-        stem += f"_{args.part}"
     write_outputs(report, args.out_dir, stem)
     table_stream = sys.stderr if args.json else sys.stdout
     print(markdown_table(report), file=table_stream)

@@ -61,8 +61,8 @@ def masked_attention(
     values `k, v [B, H, S, D]` (kv-head major) where `visible` (bool, broadcastable to `[B, H, G, T, S]`).
     Query head h*G + g reads kv head h. Scores and softmax in float32; a row that sees nothing is uniform
     over masked scores (finite, no NaN). Returns `[B, T, Hq, D]`, and with `return_probs` also the
-    probabilities `f32[B, H, G, T, S]` (0 where not visible). `paged_attention` (the KV state), the serving
-    engine's pool (`kvjax.serving.paged_step`) and CacheClip's recomputation (`kvjax.rag.selective`) call it."""
+    probabilities `f32[B, H, G, T, S]` (0 where not visible). `paged_attention` (the KV state) and CacheClip's
+    recomputation (`kvjax.rag.selective`) call it."""
     B, T, Hq, D = q.shape
     H = k.shape[1]
     scale = D**-0.5 if scale is None else scale

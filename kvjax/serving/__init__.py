@@ -1,11 +1,11 @@
-"""Serving-side memory management (Jenga): layer-group specs, a two-level page allocator for
-heterogeneous KV caches, prefix caching aligned across group types, typed jnp views of the pool, and a
-continuous-batching engine that serves a model over them (full attention and sliding windows); and the
-batch engine (`batch_engine.BatchEngine`) that serves every policy with `generate`'s own prefill, step
-and decode loop.
+"""Serving: the batch engine (`batch_engine.BatchEngine`), which serves every policy with `generate`'s own
+prefill, step, state and decode loop, and the HTTP server over it (`http`); and Jenga's memory manager for
+caches whose layers differ in per-token size: layer-group specs, a two-level page allocator, prefix caching
+aligned across group types, and typed jnp views of its one uint8 device pool (docs/jenga.md says where
+it fits).
 
-Host-side modules (specs, layout, hashing, page_pool, prefix_cache, allocator, model_groups) are pure
-Python; `views`, `paged_step`, `engine` and `batch_engine` import jax and are loaded on first use.
+The allocator's modules (specs, layout, page_pool, prefix_cache, allocator, model_groups) are pure Python;
+`views` and `batch_engine` import jax and are loaded on first use.
 """
 
 from kvjax.serving.allocator import (
@@ -35,7 +35,6 @@ from kvjax.serving.specs import (
 _VIEW_NAMES = (
     "make_pool", "typed_view", "reinterpret_pages", "read_typed_pages", "write_typed_pages", "apply_page_copies",
 )
-_ENGINE_NAMES = ("Engine", "EngineMetrics", "RequestOutput")
 _BATCH_ENGINE_NAMES = ("BatchEngine", "BatchRequest")
 
 
@@ -44,10 +43,6 @@ def __getattr__(name: str):
         from kvjax.serving import views
 
         return getattr(views, name)
-    if name in _ENGINE_NAMES:
-        from kvjax.serving import engine
-
-        return getattr(engine, name)
     if name in _BATCH_ENGINE_NAMES:
         from kvjax.serving import batch_engine
 
@@ -82,6 +77,5 @@ __all__ = [
     "hash_block",
     "longest_common_hit",
     *_VIEW_NAMES,
-    *_ENGINE_NAMES,
     *_BATCH_ENGINE_NAMES,
 ]

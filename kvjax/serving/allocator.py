@@ -13,13 +13,12 @@ Lifecycle of a request, as an engine drives it (see docs/jenga.md):
     ... allocate/commit per decode step with the sampled token ...
     alloc.free(rid)                                           # pages become cached (evictable) or free
 
-Everything here is host-side Python; the device pool is only ever addressed through page ids
-(kvjax.serving.layout / views).
+Everything here is host-side Python; a device pool is only ever addressed through page ids and their
+byte offsets (kvjax.serving.layout; typed views of a device pool: kvjax.serving.views).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 

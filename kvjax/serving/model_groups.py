@@ -1,6 +1,5 @@
 """A served model's layers as allocator groups: which layers attend fully and which through a sliding
-window, the group specs that page them (Jenga: one group per kind; uniform: one group for all layers),
-and an upper bound on the pages one request can hold, for admission control.
+window, and the group specs that page them (Jenga: one group per kind; uniform: one group for all layers).
 
 Pure host code (no jax).
 """
@@ -10,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvjax.serving.layout import PoolLayout
-from kvjax.serving.specs import DTYPE_BYTES, FullAttentionSpec, GroupSpec, SlidingWindowSpec, UniformPagingSpec
+from kvjax.serving.specs import FullAttentionSpec, GroupSpec, SlidingWindowSpec, UniformPagingSpec
 
 PAGINGS = ("jenga", "uniform")
 FULL_GROUP = "full_attention"
@@ -55,38 +53,6 @@ class LayerGroups:
 
     def group_layers(self, group: int) -> int:
         return sum(1 for g in self.layer_group if g == group)
-
-    def kv_page_shape(self, group: int) -> tuple[int, ...]:
-        tpp = self.specs[group].tokens_per_page
-        return (self.group_layers(group), 2, tpp, self.num_kv_heads, self.head_dim)
-
-    def read_offset_block(self, group: int, start: int) -> int:
-        """First block of `group` a step whose queries start at token `start` reads: blocks before it hold
-        only keys out of every query's window (and the allocator may have released them)."""
-        spec = self.specs[group]
-        return spec.first_needed_token(start) // spec.tokens_per_page
-
-    def peak_pages(self, group: int, total_tokens: int, chunk_size: int, keep_window: bool) -> int:
-        """Upper bound on the small pages of `group` a request holds at once when it caches at most
-        `total_tokens` tokens, computed in steps of at most `chunk_size` tokens. A sliding window holds the
-        blocks of its window plus the step's chunk (plus, with `keep_window`, one more window kept for a
-        shared prefix); everything else holds every block."""
-        spec = self.specs[group]
-        tpp = spec.tokens_per_page
-        every_block = -(-total_tokens // tpp)
-        if not isinstance(spec, SlidingWindowSpec):
-            return every_block
-        in_window = -(-(chunk_size + spec.window - 1) // tpp) + 1
-        kept = (-(-(spec.window - 1) // tpp) + 1) if keep_window else 0
-        return min(every_block, in_window + kept)
-
-    def peak_large_pages(self, layout: PoolLayout, total_tokens: int, chunk_size: int, keep_window: bool) -> dict[str, tuple[int, int]]:
-        """Per group name: (peak small pages, the large pages they fill) for one request (see peak_pages)."""
-        out = {}
-        for group, spec in enumerate(self.specs):
-            pages = self.peak_pages(group, total_tokens, chunk_size, keep_window)
-            out[spec.name] = (pages, -(-pages // layout.pages_per_large(group)))
-        return out
 
 
 def build_layer_groups(
@@ -133,29 +99,11 @@ def build_layer_groups(
     return LayerGroups(tuple(specs), tuple(layer_group), tuple(layer_slot), windows, num_kv_heads, head_dim, dtype, paging)
 
 
-def row_bytes(groups: LayerGroups) -> int:
-    """Bytes of one (layer, k or v, token) row of a page: kv_heads * head_dim elements."""
-    return groups.num_kv_heads * groups.head_dim * DTYPE_BYTES[groups.dtype]
-
-
-def check_row_aligned(groups: LayerGroups, layout: PoolLayout) -> int:
-    """The pool is written in rows of row_bytes; every page and large page must start on a row."""
-    size = row_bytes(groups)
-    for spec in groups.specs:
-        if spec.page_bytes % size:
-            raise ValueError(f"group {spec.name!r}: page of {spec.page_bytes} bytes is not a whole number of {size}-byte rows")
-    if layout.large_page_bytes % size:
-        raise ValueError(f"large page of {layout.large_page_bytes} bytes is not a whole number of {size}-byte rows")
-    return size
-
-
 __all__ = [
     "FULL_GROUP",
     "LayerGroups",
     "PAGINGS",
     "alternating_windows",
     "build_layer_groups",
-    "check_row_aligned",
-    "row_bytes",
     "sliding_group_name",
 ]
