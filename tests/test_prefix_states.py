@@ -110,6 +110,14 @@ def test_engine_reuses_shared_prefixes_with_generates_tokens(model, cases):
     assert engine.leaked_pages == 0
 
 
+def test_a_prompt_shorter_than_the_chunk_is_served(model, cases):
+    """A prompt of a whole power-of-two chunk below the engine's chunk size prefills in smaller whole chunks,
+    whose carries are between the engine's boundaries: served like `generate`, nothing cached for it."""
+    rows = [np.random.default_rng(7).integers(0, VOCAB, size=CHUNK // 2).tolist()]
+    engine = _serve_like_generate(model, cases["full"].policy, rows)
+    assert len(engine.prefix) == 0 and engine.prefix.stats.lookups == 1
+
+
 def test_per_chunk_compressors_prefill_from_scratch(model, cases):
     engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=CHUNK)
     for row in shared_prompts(2):

@@ -92,8 +92,12 @@ class PrefixStates:
 
     def store(self, key: Hashable, boundaries: Sequence[tuple[int, bytes]], carry: PrefillCarry) -> None:
         """Keep a compact copy of `carry`, the prefill up to one of the prompt's chunk `boundaries`
-        (`carry.tokens`), unless it is cached already or alone larger than the cache."""
-        name = (_NAMESPACE, key, dict(boundaries)[carry.tokens])
+        (`carry.tokens`), unless it is cached already or alone larger than the cache. A carry between the
+        boundaries (a prompt shorter than the engine's chunk prefills in smaller chunks) is not kept."""
+        digest = dict(boundaries).get(carry.tokens)
+        if digest is None:
+            return
+        name = (_NAMESPACE, key, digest)
         if name in self.lru:
             self.lru.get(name)
             return
