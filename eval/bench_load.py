@@ -6,7 +6,9 @@ The trace: `--requests` completions whose prompts (token ids) mix lengths betwee
 `--output-min` and `--output-max` tokens; `--concurrency` clients send them (streaming, greedy, the
 server's policy or `--policy`). Measured: completion tokens per second over the whole run, time to first
 token and inter-token latency (per request: (last chunk - first chunk) / (tokens - 1)) at p50 and p99,
-requests lost (an error, or no finish reason: must be 0), pages leaked by the engine (must be 0); and
+requests lost (an error, or no finish reason: must be 0), pages leaked by the engine (must be 0), KV
+memory waste after every dispatch for the engine's pages against Jenga's and uniform paging of the same
+rows (`paging_waste`); and
 `generate` on each request alone, back to back, for the tokens-per-second ratio. Both sides replay the
 trace once untimed first, so every program is compiled before the clock starts; the server's prefix cache
 is emptied after that pass, so the timed pass reuses only the whole `--chunk-size` chunks its own requests
@@ -91,6 +93,8 @@ def run_load(model, trace, args) -> dict:
             list(pool.map(lambda r: ask(client, args.model, *r), trace))
         engine = server.app.state.worker.engine
         dispatches_before = engine.dispatches
+        engine.memory_samples.clear()
+        engine.memory_every = 1  # what the pages hold after every timed dispatch (a small host read each)
         if engine.prefix is not None:  # the timed pass reuses only prefixes its own requests share
             engine.prefix.clear()
             engine.prefix.stats = type(engine.prefix.stats)()
@@ -110,7 +114,26 @@ def run_load(model, trace, args) -> dict:
             "requests": len(trace), "lost": len(trace) - len(done), "errors": [r["error"] for r in results if r["error"]],
             "pages_leaked": int(leaked), "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
             "dispatches": engine.dispatches - dispatches_before,
-            "prefix_hit_rate": engine.prefix.stats.hit_rate if engine.prefix is not None else 0.0}
+            "prefix_hit_rate": engine.prefix.stats.hit_rate if engine.prefix is not None else 0.0,
+            "memory": paging_waste(engine.memory_samples, engine.page_size)}
+
+
+def paging_waste(samples, page_size: int) -> dict:
+    """Share of held KV slots holding nothing attention reads, over every timed dispatch (slots summed over
+    the samples: a time average weighted by what is held), for the engine's single-head pages as they are
+    (shared prefix pages once) and the same rows under page tables shared by a layer's kv heads (Jenga's
+    groups at their finest, a group per layer) and under vLLM v0's uniform paging (every token seen, every
+    layer), both with `page_size`-token pages and no prefix sharing (`kvjax.serving.memory`)."""
+    from kvjax.serving.memory import grouped_slots, uniform_slots, waste
+
+    kept = sum(s.kept_slots for s in samples)
+    row_kept = sum(s.row_kept_slots for s in samples)
+    held = {"kvjax pages": sum(s.held_slots for s in samples),
+            "kvjax pages, unshared": sum(s.row_held_slots for s in samples),
+            "jenga, a group per layer": sum(grouped_slots(s, page_size) for s in samples),
+            "uniform": sum(uniform_slots(s, page_size) for s in samples)}
+    return {"samples": len(samples), "kept_slots": kept, "held_slots": held,
+            "waste": {name: waste(h, kept if name == "kvjax pages" else row_kept) for name, h in held.items()}}
 
 
 def run_sequential(model, trace, args) -> dict:
@@ -191,12 +214,15 @@ def main(argv=None) -> dict:
     ms = lambda x: "" if x is None else f"{1000 * x:.0f}"  # noqa: E731
     table = markdown_table(
         ["model", "policy", "clients", "requests", "lost", "pages leaked", "tok/s served", "tok/s generate 1-by-1",
-         "ratio", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "prefix hits"],
+         "ratio", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "prefix hits",
+         "KV waste: kvjax / Jenga / uniform"],
         [[args.model, args.policy, args.concurrency, args.requests, load["lost"], load["pages_leaked"],
           load["tokens_per_s"], sequential["tokens_per_s"], f"{payload['throughput_ratio']:.2f}x",
           f"{ms(load['ttft_s']['p50'])} / {ms(load['ttft_s']['p99'])}",
           f"{ms(load['itl_s']['p50'])} / {ms(load['itl_s']['p99'])}",
-          f"{100 * load['prefix_hit_rate']:.0f}% of prompt tokens"]],
+          f"{100 * load['prefix_hit_rate']:.0f}% of prompt tokens",
+          " / ".join(f"{100 * load['memory']['waste'][k]:.1f}%"
+                     for k in ("kvjax pages", "jenga, a group per layer", "uniform"))]],
     ) + (f"\n{payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores; prompts "
          f"{args.prompt_min}-{args.prompt_max} tokens, outputs up to {args.output_min}-{args.output_max}, greedy; "
          f"max_rows {args.max_rows}, {args.steps_per_dispatch} steps per dispatch, prefill chunk {args.chunk_size}, "

@@ -53,6 +53,7 @@ from kvjax.lru import BytesLRU
 from kvjax.policies import Policy
 from kvjax.rope import uses_long_factors
 from kvjax.rows import insert_row, pages_held, release_row
+from kvjax.serving.memory import MemorySample, sample_memory
 from kvjax.serving.prefix_states import PrefixStates, chunk_boundaries
 from kvjax.sampling import sample_first_tokens, validate_sampling
 from kvjax.state import CacheCapacityError, KVState, init_state, overflow_error, pages_for
@@ -173,14 +174,16 @@ class BatchEngine:
     so one least-recently-used order bounds both. `prefill_chunks_per_step`: at most this many prefill
     chunks run between two dispatches (Sarathi's chunked prefills, interleaved at dispatch granularity: live
     rows keep decoding while a long prompt prefills); 0, the default, prefills whole prompts first, which
-    measured faster on a 2-core CPU (docs/design.md, "Serving").
+    measured faster on a 2-core CPU (docs/design.md, "Serving"). `memory_every`: after every this many
+    dispatches, record what the dispatched batch's pages hold in `memory_samples` (`kvjax.serving.memory`;
+    a host read of the batch's page tables and slot positions; 0, the default, records nothing).
     A request that cannot fit `capacity` is refused at `submit` (ValueError); one that fits but finds no
     free row or too few free pages waits, prefilled, until a row finishes."""
 
     def __init__(self, model: Model, *, max_rows: int = 8, capacity: int = 2048, page_size: int = 16,
                  pool_pages: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, prefix_cache_bytes: int = 256 << 20,
-                 prefill_chunks_per_step: int = 0):
+                 prefill_chunks_per_step: int = 0, memory_every: int = 0):
         if max_rows < 1 or capacity < 1 or steps_per_dispatch < 1:
             raise ValueError(f"max_rows, capacity and steps_per_dispatch must be >= 1, got {max_rows}, {capacity}, "
                              f"{steps_per_dispatch}")
@@ -189,6 +192,10 @@ class BatchEngine:
         if prefill_chunks_per_step < 0:
             raise ValueError(f"prefill_chunks_per_step must be >= 0 (0: no limit), got {prefill_chunks_per_step}")
         self.prefill_chunks_per_step = prefill_chunks_per_step
+        if memory_every < 0:
+            raise ValueError(f"memory_every must be >= 0 (0: never), got {memory_every}")
+        self.memory_every = memory_every
+        self.memory_samples: list[MemorySample] = []
         # one byte budget for prefix carries and whatever else shares it (RAG chunks: ChunkStore(lru=...))
         self.cache = BytesLRU(prefix_cache_bytes)
         self.prefix = PrefixStates(lru=self.cache) if prefix_cache_bytes else None
@@ -388,6 +395,9 @@ class BatchEngine:
         error = overflow_error(batch.state)
         if error is not None:
             raise error
+        if self.memory_every and self.dispatches % self.memory_every == 0:
+            live = [slot for slot, request in enumerate(batch.rows) if request is not None]
+            self.memory_samples.append(sample_memory(batch.state, live, self.dispatches))
         count = int(run.count)
         tokens, logprobs = np.asarray(run.tokens)[:, :count], np.asarray(run.logprobs)[:, :count]
         for slot in range(R):
