@@ -20,7 +20,7 @@ from kvjax.serving.allocator import (
 )
 from kvjax.hashing import ROOT_HASH, chain_hashes, hash_block
 from kvjax.serving.layout import PoolLayout, choose_large_page_bytes
-from kvjax.serving.model_groups import LayerGroups, alternating_windows, build_layer_groups
+from kvjax.serving.model_groups import alternating_windows
 from kvjax.serving.prefix_cache import PrefixHit, longest_common_hit
 from kvjax.serving.specs import (
     AuxiliaryModelSpec,
@@ -59,7 +59,6 @@ __all__ = [
     "GroupSpec",
     "GroupStats",
     "JengaAllocator",
-    "LayerGroups",
     "PageCopy",
     "PoolLayout",
     "PoolStats",
@@ -71,7 +70,6 @@ __all__ = [
     "StalePrefixHitError",
     "UniformPagingSpec",
     "alternating_windows",
-    "build_layer_groups",
     "chain_hashes",
     "choose_large_page_bytes",
     "hash_block",
