@@ -120,6 +120,7 @@ def check_generate(model: Model, mesh_name: str, name: str, on_indivisible="erro
         "tokens_equal": bool(np.array_equal(ref, out)), "ref": ref.tolist(), "sharded": out.tolist(),
         "kept_equal": kept_by_head(ref_state) == kept_by_head(state, (plan.data, plan.head_shards)),
         "logits_max_diff": float(np.max(np.abs(np.asarray(ref_logits) - np.asarray(logits)[: len(rows)]))),
+        "kv_dtype": str(np.dtype(model.cache_dtype)),
         "pool_pages_single": int(ref_state.num_pages),
         "pool_pages_per_device": [list(s) for s in shards],
         "pool_devices": len(devices),

@@ -58,7 +58,11 @@ def _check_generation(run: dict) -> None:
     label = f"{run['policy']} on {run['mesh']}"
     assert run["tokens_equal"], f"{label}: sharded {run['sharded']} != single-device {run['ref']}"
     assert run["kept_equal"], f"{label}: kept positions per (layer, sequence, head) differ after prefill"
-    assert run["logits_max_diff"] < 1e-4, label
+    # int8 pages: a key within float rounding of a quantisation boundary (the sharded matmuls sum in another
+    # order) is stored one int8 step apart, which moves a logit by up to ~1e-3 (measured 6.6e-4 on this CPU
+    # for Ada-SnapKV on 2x4, logits of magnitude 2.8); float pages stay within 1e-4
+    tolerance = 2e-3 if run["kv_dtype"] == "int8" else 1e-4
+    assert run["logits_max_diff"] < tolerance, label
     assert run["decode_traces"] == 1, f"{label}: the sharded decode step recompiled while decoding"
     assert np.asarray(run["ref"]).min() >= 0  # no EOS cut: every step was compared
 
