@@ -12,8 +12,10 @@ fastest on CPU (docs/kernels.md has the numbers):
 - blocks of a few MiB of K per step (16 pages per row for 32 rows); the loop stops after the last block
   that holds a page.
 
-- rows serving one query head use broadcast-multiply + reduce, rows serving a kv head's group a batched
-  matmul (einsum) over the flattened block.
+- each block's logits and weighted values as matrix products (einsum) over the block flattened to
+  [rows, pages * page_size, D]: a matrix-vector product per row when a row serves one query head, a
+  batched matmul over the group when it serves several. Left unflattened ([rows, pages, page_size, D]),
+  the same einsum ran 2-3x slower, and broadcast-multiply + reduce ("mulsum") ~20% slower.
 
 `FORMULATIONS` lists the block computations that were compared; "auto" picks as above.
 """
@@ -29,26 +31,29 @@ from . import _pages
 #   mulsum : logits and p.v as broadcast-multiply + reduce (XLA maps them to its CPU library fusions)
 #   einsum : logits and p.v as einsum (dot_general; a batched matmul over the group when Gq > 1)
 #   mulsum_barrier : the gathered block materialised first (optimization_barrier), then mulsum
-#   auto : mulsum when a row serves one query head, einsum when it serves a group (fastest measured)
+#   auto : einsum (fastest measured, flattened, for rows of one query head and of a group alike)
 FORMULATIONS = ("auto", "mulsum", "einsum", "mulsum_barrier")
 DEFAULT_FORMULATION = "auto"
-# K bytes gathered per loop step over all rows (measured best on CPU: 4 MiB for mulsum rows, 2 MiB for
-# grouped einsum rows; 8 MiB and more fell out of cache)
-_BLOCK_BYTES = {"mulsum": 4 << 20, "mulsum_barrier": 4 << 20, "einsum": 2 << 20}
+# K bytes gathered per loop step over all rows, measured best on CPU: 4 MiB for rows of one query head
+# (mulsum and einsum alike), 2 MiB for grouped einsum rows; 8 MiB and more fell out of cache
+_BLOCK_BYTES = {"mulsum": 4 << 20, "mulsum_barrier": 4 << 20, "einsum": 4 << 20, "einsum_grouped": 2 << 20}
 
 
-def default_pages_per_block(num_rows: int, page_size: int, head_dim: int, formulation: str = "mulsum") -> int:
+def default_pages_per_block(num_rows: int, page_size: int, head_dim: int, formulation: str = "einsum",
+                            grouped: bool = False) -> int:
     """Pages per row per loop step: `_BLOCK_BYTES` of f32 K over all rows, between 1 and 64 pages."""
     page_bytes = page_size * head_dim * 4
-    return int(max(1, min(64, _BLOCK_BYTES[formulation] // max(1, num_rows * page_bytes))))
+    key = "einsum_grouped" if grouped and formulation == "einsum" else formulation
+    return int(max(1, min(64, _BLOCK_BYTES[key] // max(1, num_rows * page_bytes))))
 
 
 def _logits(q, k, formulation):
     """q [R, Gq, D] (or [R, D] when Gq == 1), k [R, ..., ps, D] -> [R, Gq, ..., ps] (or [R, ..., ps])."""
     if q.ndim == 2:
         extra = (None,) * (k.ndim - 2)
-        if formulation == "einsum":
-            return jnp.einsum("rd,r...sd->r...s", q, k)
+        if formulation == "einsum":  # flattened: a matrix-vector product per row
+            flat = jnp.einsum("rd,rtd->rt", q, k.reshape(k.shape[0], -1, k.shape[-1]))
+            return flat.reshape(k.shape[:-1])
         return jnp.sum(k * q[(slice(None), *extra, slice(None))], axis=-1)
     if formulation == "einsum":
         flat = jnp.einsum("rgd,rtd->rgt", q, k.reshape(k.shape[0], -1, k.shape[-1]))
@@ -65,7 +70,7 @@ def _weighted_values(probs, v, formulation):
         if grouped:
             flat_probs = probs.reshape(probs.shape[:2] + (-1,))  # [R, Gq, T]
             return jnp.einsum("rgt,rtd->rgd", flat_probs, v.reshape(v.shape[0], -1, v.shape[-1]))
-        return jnp.einsum("r...s,r...sd->rd", probs, v)
+        return jnp.einsum("rt,rtd->rd", probs.reshape(probs.shape[0], -1), v.reshape(v.shape[0], -1, v.shape[-1]))
     product = probs[..., None] * (v[:, None] if grouped else v)
     return jnp.sum(product, axis=summed)
 
@@ -97,7 +102,7 @@ def attend_read_list_xla(
     num_sel_heads, num_entries = physical.shape[1:]
     rows, q_per_row = batch * num_sel_heads, num_q_heads // num_sel_heads
     if formulation == "auto":
-        formulation = "mulsum" if q_per_row == 1 else "einsum"
+        formulation = "einsum"
     physical = physical.reshape(rows, num_entries)
     counts = counts.reshape(rows, num_entries)
     # Scale folded into q: one multiply per query element instead of one per logit.
@@ -143,7 +148,7 @@ def attend_read_list_xla(
     if num_full == 0:
         return _finish(acc, row_max, row_sum, batch, num_q_heads, head_dim)
     if pages_per_block is None:
-        pages_per_block = default_pages_per_block(rows, page_size, head_dim, formulation)
+        pages_per_block = default_pages_per_block(rows, page_size, head_dim, formulation, grouped=q_per_row > 1)
     pages_per_block = max(1, min(pages_per_block, num_full))
     num_blocks = _pages.cdiv(num_full, pages_per_block)
     padded = num_blocks * pages_per_block
