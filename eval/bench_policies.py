@@ -1,9 +1,9 @@
 """Decode speed per policy against the full cache, on an attention-heavy config where reading the KV
 cache dominates a step: 2 layers of 16 heads of 128 (MHA), hidden 512, MLP 1024, vocab 4096, float32.
 
-For each context (default 8K and 16K) and policy at one budget (default 1024): prefill (not timed against
+For each context (default 8K) and policy at one budget (default 1024): prefill (not timed against
 anything; one per policy, since eviction happens inside prefill), then decode tokens/s as the median of
-timed steps after a warm-up step, the KV bytes a step reads, and pages in use against the full cache.
+timed steps after a warm-up step, the steps of every policy timed round-robin, the KV bytes a step reads, and pages in use against the full cache.
 `--kv-dtypes float32 int8` measures each policy with float32 and int8 pages (one scale per slot) in one run,
 and gives int8's speed against float32 pages of the same policy.
 
@@ -55,33 +55,58 @@ def make_policy(name: str, budget: int):
     return kvjax.make_policy(base, token_budget=budget, **options)
 
 
-def bench_policy(model, prompt, policy, steps: int) -> dict:
-    import kvjax
-    from kvjax.compaction import memory_report
+class PolicyRun:
+    """One (model, prompt, policy): prefilled (the prefill timed apart from its compile), then decoded one
+    step at a time by `step()`, each step's seconds kept."""
 
-    from .bench_decode import _compile_seconds
+    def __init__(self, model, prompt, policy):
+        import kvjax
+        from kvjax.compaction import memory_report
 
-    _compile_seconds.clear()
-    t = time.perf_counter()
-    state, logits = kvjax.prefill(model, prompt, policy=policy, max_new_tokens=steps + 2)
-    jax.block_until_ready(logits)
-    # the first prefill compiles its steps: that time (JAX's compile events) is reported apart
-    prefill_compile_s = _compile_seconds["total"]
-    prefill_s = time.perf_counter() - t - prefill_compile_s
-    report = memory_report(state)
-    token = np.asarray(jnp.argmax(logits, -1))
-    logits, state = kvjax.decode_step(model, state, token, policy=policy)  # compile + warm-up
-    times = []
-    for _ in range(steps):
-        token = np.asarray(jnp.argmax(logits, -1))
+        from .bench_decode import _compile_seconds
+
+        self.model, self.policy, self.times = model, policy, []
+        _compile_seconds.clear()
         t = time.perf_counter()
-        logits, state = kvjax.decode_step(model, state, token, policy=policy)
-        jax.block_until_ready(logits)
-        times.append(time.perf_counter() - t)
-    step = statistics.median(times)
-    return {"prefill_s": prefill_s, "prefill_compile_s": prefill_compile_s, "decode_step_s": step, "decode_tokens_per_s": 1 / step,
-            "pages_in_use": report["pages_in_use"], "pages_full_cache": report["pages_full_cache"],
-            "kv_bytes_in_use": report["bytes_in_use"]}
+        self.state, self.logits = kvjax.prefill(model, prompt, policy=policy, max_new_tokens=_MAX_STEPS)
+        jax.block_until_ready(self.logits)
+        # the first prefill compiles its steps: that time (JAX's compile events) is reported apart
+        self.prefill_compile_s = _compile_seconds["total"]
+        self.prefill_s = time.perf_counter() - t - self.prefill_compile_s
+        self.report = memory_report(self.state)
+        self._decode()  # compile + warm-up
+
+    def _decode(self):
+        import kvjax
+
+        token = np.asarray(jnp.argmax(self.logits, -1))
+        t = time.perf_counter()
+        self.logits, self.state = kvjax.decode_step(self.model, self.state, token, policy=self.policy)
+        jax.block_until_ready(self.logits)
+        return time.perf_counter() - t
+
+    def step(self):
+        self.times.append(self._decode())
+
+    def result(self) -> dict:
+        step = statistics.median(self.times)
+        return {"prefill_s": self.prefill_s, "prefill_compile_s": self.prefill_compile_s, "decode_step_s": step,
+                "decode_tokens_per_s": 1 / step, "pages_in_use": self.report["pages_in_use"],
+                "pages_full_cache": self.report["pages_full_cache"], "kv_bytes_in_use": self.report["bytes_in_use"]}
+
+
+_MAX_STEPS = 64  # room each prefill leaves for decoding (steps + warm-up)
+
+
+def bench_policies(runs: list, steps: int) -> list[dict]:
+    """Decode `steps` steps of every run round-robin (step r of every run, then step r + 1): a change of
+    load on a shared machine, or of the memory system's speed, hits every run alike, so ratios between
+    runs hold even where absolute figures drift (timed one run after another, the same config measured
+    19.5 and 40 tok/s in two runs minutes apart)."""
+    for _ in range(steps):
+        for run in runs:
+            run.step()
+    return [run.result() for run in runs]
 
 
 def kv_bytes_read(name: str, cfg, context: int, budget: int, page_size: int, kv_dtype: str = "float32") -> int:
@@ -157,14 +182,19 @@ def main(argv=None):
 
     cfg = kvjax.ModelConfig.from_hf_dict(attention_heavy_config(args.vocab))
     model = kvjax.Model(cfg, kvjax.init_params(cfg, seed=0))
+    if not 1 <= args.steps < _MAX_STEPS:
+        parser.error(f"--steps must be between 1 and {_MAX_STEPS - 1}, got {args.steps}")
     results = []
-    jobs = [(c, p, d) for c in args.contexts for p in args.policies for d in args.kv_dtypes]
-    for context, name, kv_dtype in tqdm(jobs, desc="context x policy x kv dtype"):
+    for context in args.contexts:  # one context's runs held at once (their caches together)
         prompt = np.random.default_rng(context).integers(0, args.vocab, (1, context)).astype(np.int32)
-        row = bench_policy(model.with_kv_dtype(kv_dtype), prompt, make_policy(name, args.budget), args.steps)
-        row.update(policy=name, context=context, kv_dtype=kv_dtype,
-                   kv_bytes_read_per_step=kv_bytes_read(name, cfg, context, args.budget, 16, kv_dtype))
-        results.append(row)
+        jobs = [(p, d) for p in args.policies for d in args.kv_dtypes]
+        runs = [PolicyRun(model.with_kv_dtype(kv_dtype), prompt, make_policy(name, args.budget))
+                for name, kv_dtype in tqdm(jobs, desc=f"{context} prefill: policy x kv dtype")]
+        for (name, kv_dtype), row in zip(jobs, bench_policies(runs, args.steps)):
+            row.update(policy=name, context=context, kv_dtype=kv_dtype,
+                       kv_bytes_read_per_step=kv_bytes_read(name, cfg, context, args.budget, 16, kv_dtype))
+            results.append(row)
+        del runs
     for row in results:
         full = _same(results, row, "full")
         row["speedup_vs_full"] = row["decode_tokens_per_s"] / full["decode_tokens_per_s"] if full else None
@@ -183,7 +213,7 @@ def main(argv=None):
              r["prefill_s"], r["prefill_compile_s"], *_vs_snapkv(r, results)] for r in results]
     note = (f"\nBudget {args.budget} slots per kv head (Quest: slots read per head; dense_layers=0 here). "
             f"{payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores; median of "
-            f"{args.steps} decode steps after a warm-up; prefill seconds exclude compiling (JAX's compile events), "
+            f"{args.steps} decode steps after a warm-up, timed round-robin over the policies; prefill seconds exclude compiling (JAX's compile events), "
             "reported apart.\n")
     table = markdown_table(headers, rows) + note
     paths = write_outputs(args.out, "bench_policies", payload, table)
