@@ -1,7 +1,8 @@
 """Backend choice for the kernels, and the few JAX-version differences they depend on.
 
 `backend=None` picks by `jax.default_backend()`: TPU -> "pallas_tpu", GPU -> "pallas_gpu", anything else
-(CPU) -> "xla". "reference" is the pure-jnp oracle. A Pallas backend away from its own platform runs in
+(CPU) -> "xla". "reference" is the pure-jnp oracle. "pallas_mosaic_gpu" (the Mosaic GPU / TMA kernel,
+never run on a GPU) is only used when asked for by name. A Pallas backend away from its own platform runs in
 interpret mode; `interpret=None` chooses that automatically.
 """
 
@@ -11,8 +12,12 @@ import functools
 
 import jax
 
-BACKENDS = ("reference", "xla", "pallas_tpu", "pallas_gpu")
-_NATIVE_PLATFORMS = {"pallas_tpu": ("tpu",), "pallas_gpu": ("gpu", "cuda", "rocm")}
+BACKENDS = ("reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_mosaic_gpu")
+_NATIVE_PLATFORMS = {
+    "pallas_tpu": ("tpu",),
+    "pallas_gpu": ("gpu", "cuda", "rocm"),
+    "pallas_mosaic_gpu": ("gpu", "cuda"),  # Mosaic GPU targets NVIDIA Hopper+ only
+}
 
 
 def resolve_backend(backend: str | None) -> str:
@@ -34,13 +39,21 @@ def resolve_interpret(backend: str, interpret) -> bool | object:
 
     None: interpret exactly when the default platform is not the backend's own (so the TPU kernel runs on
     CPU under the TPU interpreter). True: the backend's most faithful interpreter (for TPU,
-    `pltpu.InterpretParams()`, which simulates DMAs and raises on out-of-bounds reads). False: compile
+    `pltpu.InterpretParams()`, which simulates DMAs and raises on out-of-bounds reads; for Mosaic GPU,
+    `InterpretGPUParams()`, which simulates TMA copies and barriers). False: compile
     natively. Anything else (e.g. an `InterpretParams`) is passed through to `pallas_call`.
     """
     if interpret is None:
         interpret = jax.default_backend() not in _NATIVE_PLATFORMS[backend]
     if interpret is True and backend == "pallas_tpu":
         return tpu_interpret_params()
+    if interpret is True and backend == "pallas_mosaic_gpu":
+        from .decode_mosaic_gpu import gpu_interpret_params
+
+        params = gpu_interpret_params()
+        if params is None:
+            raise NotImplementedError("backend 'pallas_mosaic_gpu': this JAX has no Mosaic GPU interpret mode")
+        return params
     return interpret
 
 

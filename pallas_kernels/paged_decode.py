@@ -2,7 +2,8 @@
 
 The public entry points validate their inputs, clean the selection and dispatch to a backend:
 "reference" (the pure-jnp oracle), "xla" (tuned for CPU, the CPU default), "pallas_tpu" (Mosaic kernel
-with scalar-prefetched tables) or "pallas_gpu" (Pallas Triton kernel gathering pages in-kernel).
+with scalar-prefetched tables), "pallas_gpu" (Pallas Triton kernel gathering pages in-kernel) or, by name
+only, "pallas_mosaic_gpu" (Pallas Mosaic GPU kernel gathering pages by TMA; never run on a GPU).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _attend_read_list(
     backend, q, k_pages, v_pages, physical, counts, *, sm_scale, interpret, pages_per_block, num_splits, formulation,
     k_scale, v_scale,
 ):
-    """Attention over a read list (physical pages and valid slots per entry) on the XLA or Pallas GPU path."""
+    """Attention over a read list (physical pages and valid slots per entry) on the XLA or a Pallas GPU path."""
     if backend == "xla":
         return attend_read_list_xla(
             q,
@@ -38,6 +39,22 @@ def _attend_read_list(
             k_scale=k_scale,
             v_scale=v_scale,
             **({"formulation": formulation} if formulation else {}),
+        )
+    if backend == "pallas_mosaic_gpu":
+        from .decode_mosaic_gpu import attend_read_list_mosaic_gpu
+
+        return attend_read_list_mosaic_gpu(
+            q,
+            k_pages,
+            v_pages,
+            physical,
+            counts,
+            sm_scale=sm_scale,
+            interpret=resolve_interpret(backend, interpret),
+            pages_per_block=pages_per_block,
+            num_splits=num_splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     from .decode_gpu import decode_gpu
 
@@ -85,7 +102,8 @@ def sparse_paged_decode(
       sm_scale: logit scale, default 1/sqrt(D).
       return_stats: also return row max m and row sum l, f32[B, Hq], of the scaled logits, so that
         p = exp(s * sm_scale - m) / l.
-      backend: None (by `jax.default_backend()`), "reference", "xla", "pallas_tpu" or "pallas_gpu".
+      backend: None (by `jax.default_backend()`), "reference", "xla", "pallas_tpu", "pallas_gpu" or
+        "pallas_mosaic_gpu" (never chosen by default).
       interpret: for Pallas backends; None interprets off their own platform.
       pages_per_block, num_splits: tuning of the loop/grid (None = heuristic); formulation: the XLA
         path's block computation (see `decode_xla.FORMULATIONS`).

@@ -101,7 +101,8 @@ def quest_page_scores(
     Query head hq scores the pages of kv head hq // G. -inf for pages at or past ceil(length / page_size)
     and for the current page (length - 1) // page_size. `per_kv_head` takes the max over each kv head's
     group of query heads. `page_size` is the pool's (k_pages.shape[1]); kmin/kmax do not carry it.
-    `backend`/`interpret` as in `sparse_paged_decode`.
+    `backend`/`interpret` as in `sparse_paged_decode`; "pallas_mosaic_gpu" scores with the XLA form (no Mosaic
+    GPU scorer yet).
     """
     backend = resolve_backend(backend)
     if backend == "reference":
@@ -110,7 +111,7 @@ def quest_page_scores(
         )
     dims = check_score_inputs(q, kmin, kmax, page_table, lengths)
     check_page_size(page_size, strict=backend != "xla")
-    if backend == "xla":
+    if backend in ("xla", "pallas_mosaic_gpu"):  # no Mosaic GPU scorer: its XLA form runs on any platform
         scores = _quest_page_scores_xla(q, kmin, kmax, page_table, lengths, page_size=page_size, dims=dims)
     elif backend == "pallas_tpu":
         from .quest_scores_tpu import quest_scores_tpu

@@ -106,3 +106,15 @@ def test_int8_decode_kernels_lower_to_triton(kernel):
 def test_int8_decode_kernels_lower_to_mosaic(simulated_tpu, kernel, dtype, per_kv_head):
     text = lower_text(kernels("pallas_tpu")[kernel], abstract_args(dtype, per_kv_head, jnp.int8), "tpu")
     assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_kernels_lower_to_mosaic_gpu(kernel, dtype):
+    """The Mosaic GPU (TMA) decode kernel: the full Pallas -> Mosaic GPU lowering for CUDA (no ptxas)."""
+    from kvjax.pallas_kernels.decode_mosaic_gpu import has_mosaic_gpu
+
+    if not has_mosaic_gpu():
+        pytest.skip("this JAX has no jax.experimental.pallas.mosaic_gpu")
+    text = lower_text(kernels("pallas_mosaic_gpu")[kernel], abstract_args(dtype, per_kv_head=False), "cuda")
+    assert "mosaic_gpu" in text
