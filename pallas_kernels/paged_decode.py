@@ -41,24 +41,10 @@ def _attend_read_list(
             **({"formulation": formulation} if formulation else {}),
         )
     if backend == "pallas_mosaic_gpu":
-        from .decode_mosaic_gpu import attend_read_list_mosaic_gpu
-
-        return attend_read_list_mosaic_gpu(
-            q,
-            k_pages,
-            v_pages,
-            physical,
-            counts,
-            sm_scale=sm_scale,
-            interpret=resolve_interpret(backend, interpret),
-            pages_per_block=pages_per_block,
-            num_splits=num_splits,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
-    from .decode_gpu import decode_gpu
-
-    return decode_gpu(
+        from .decode_mosaic_gpu import attend_read_list_mosaic_gpu as attend_on_gpu
+    else:
+        from .decode_gpu import decode_gpu as attend_on_gpu
+    return attend_on_gpu(
         q,
         k_pages,
         v_pages,
