@@ -3,7 +3,8 @@ cache dominates a step: 2 layers of 16 heads of 128 (MHA), hidden 512, MLP 1024,
 
 For each context (default 8K) and policy at one budget (default 1024): prefill (not timed against
 anything; one per policy, since eviction happens inside prefill), then decode tokens/s as the median of
-timed steps after a warm-up step, the steps of every policy timed round-robin, the KV bytes a step reads, and pages in use against the full cache.
+timed steps after a warm-up step (the steps of every policy timed round-robin), the KV bytes a step
+reads, and pages in use against the full cache.
 `--kv-dtypes float32 int8` measures each policy with float32 and int8 pages (one scale per slot) in one run,
 and gives int8's speed against float32 pages of the same policy.
 
@@ -175,6 +176,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.contexts, args.budget, args.steps = [1024], 256, 3
+    if not 1 <= args.steps < _MAX_STEPS:
+        parser.error(f"--steps must be between 1 and {_MAX_STEPS - 1}, got {args.steps}")
 
     from tqdm import tqdm
 
@@ -182,8 +185,6 @@ def main(argv=None):
 
     cfg = kvjax.ModelConfig.from_hf_dict(attention_heavy_config(args.vocab))
     model = kvjax.Model(cfg, kvjax.init_params(cfg, seed=0))
-    if not 1 <= args.steps < _MAX_STEPS:
-        parser.error(f"--steps must be between 1 and {_MAX_STEPS - 1}, got {args.steps}")
     results = []
     for context in args.contexts:  # one context's runs held at once (their caches together)
         prompt = np.random.default_rng(context).integers(0, args.vocab, (1, context)).astype(np.int32)
