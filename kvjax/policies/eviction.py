@@ -11,6 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kvjax.attention import masked_attention
 from kvjax.policies.base import LayerView, Policy
 
 NEG = -jnp.inf
@@ -68,14 +69,10 @@ def window_attention(view: LayerView) -> jax.Array:
     """Softmax attention of the window queries over the layer's slots, averaged over the window:
     f32[B, H, G, S]. Causal by original position; rows before the prompt start are ignored."""
     q, qpos = view.window_q, view.window_pos  # [B, w, Hq, D], [B, w]
-    B, w, Hq, D = q.shape
-    H = view.k.shape[1]
-    qg = q.reshape(B, w, H, Hq // H, D)
-    s = jnp.einsum("bwhgd,bhsd->bhgws", qg, view.k.astype(q.dtype), preferred_element_type=jnp.float32) * D**-0.5
     visible = view.valid[:, :, None, None, :] & (view.slot_pos[:, :, None, None, :] <= qpos[:, None, None, :, None])
-    probs = jax.nn.softmax(jnp.where(visible, s, -1e30), axis=-1)
-    row_real = (qpos >= 0)[:, None, None, :, None]
-    probs = jnp.where(row_real & visible, probs, 0.0)
+    # the one masked-attention reference; its output is unused (and dropped by XLA), the values are the keys
+    _, probs = masked_attention(q, view.k, view.k, visible, return_probs=True)  # [B, H, G, w, S], 0 where not visible
+    probs = jnp.where((qpos >= 0)[:, None, None, :, None], probs, 0.0)
     return probs.sum(axis=3) / jnp.maximum((qpos >= 0).sum(-1), 1)[:, None, None, None]
 
 
