@@ -83,6 +83,12 @@ def _cell_key(spec: str, budget) -> str:
     return spec if budget is None else f"{spec}@{budget}"
 
 
+def _parse_cell_key(key: str) -> tuple[str, int | None]:
+    """`(policy spec, budget)` of a cell key (`quest:dense_layers=2@64`, or `full`)."""
+    spec, at, budget = key.rpartition("@")
+    return (spec, int(budget)) if at else (key, None)
+
+
 def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequence[int] = (64, 128),
               lengths: Sequence[int] = (2048,), tasks: Sequence[str] = ("passkey", "multikey"), num_samples: int = 20,
               num_records: int = 4, seed: int = 0, dense_layers: int = DEFAULT_DENSE_LAYERS, batch_size: int = 8,
@@ -96,7 +102,8 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
     With `checkpoint` (a jsonl path) every finished batch is appended there with every cell's scores, and
     batches already in it (same setting) are not run again: a killed sweep resumes at the next batch, and
     `max_batches` bounds the batches run per (task, length) in this call (a long sweep spread over several
-    sessions: the tables report the samples done so far). With `latency`, decode speed per policy at the
+    sessions: the tables report the samples done so far). The report covers every task, length and cell the
+    checkpoint holds for this setting, named in this call or not; the call runs only those named. With `latency`, decode speed per policy at the
     largest budget is timed on `latency_batch` prompts (`time_decodes`). `clear_compiled` drops JAX's compiled steps after
     each (task, length) (long sweeps; the demo keeps them, so its latency pass reuses them)."""
     from tqdm import tqdm
@@ -116,7 +123,7 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
                     done.setdefault((row["task"], row["length"], row["batch"]), {}).update(row["scores"])
                     key = (row["task"], row["length"])
                     seconds[key] = seconds.get(key, 0.0) + row.get("seconds", 0.0)
-    scores: dict = {}  # (task, length, cell key) -> [score per sample]
+    scores: dict = {}  # (task, length, cell key) -> [score per sample]; filled from `done` at the end
     batches = -(-num_samples // batch_size)
     for task in tasks:
         for n_tokens in lengths:
@@ -151,18 +158,29 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
                                                 "setting": setting}) + "\n")
                 else:
                     bar.update(len(cells))
-                for key, values in have.items():
-                    scores.setdefault((task, n_tokens, key), []).extend(values)
+                if have:
+                    done[(task, n_tokens, index)] = have
             bar.close()
             # every (policy, budget) compiles its own steps; dropping them bounds the process's memory maps (a
             # long sweep otherwise ended in "LLVM compilation error: Cannot allocate memory" on a default
             # vm.max_map_count)
             if clear_compiled:
                 jax.clear_caches()
+    # the report covers every task, length and cell the checkpoint holds for this setting, not only those
+    # named in this call (resuming one task must not drop the others from the tables)
+    for (task, n_tokens, _), have in sorted(done.items(), key=lambda item: item[0][2]):
+        for key, values in have.items():
+            scores.setdefault((task, n_tokens, key), []).extend(values)
+    report_tasks = list(dict.fromkeys([*tasks, *(t for t, _, _ in done)]))
+    report_lengths = sorted({*lengths, *(n for _, n, _ in done)})
+    report_cells = [_parse_cell_key(key) for key in dict.fromkeys(
+        [_cell_key(p, b) for p, b in cells] + [key for have in done.values() for key in have])]
+    report_policies = list(dict.fromkeys([*policies, *(p for p, _ in report_cells)]))
+    report_budgets = sorted({*budgets, *(b for _, b in report_cells if b is not None)})
     rows = []
-    for task in tasks:
-        for n_tokens in lengths:
-            for spec, budget in cells:
+    for task in report_tasks:
+        for n_tokens in report_lengths:
+            for spec, budget in report_cells:
                 values = scores.get((task, n_tokens, _cell_key(spec, budget)))
                 if values:
                     rows.append({"task": task, "length": n_tokens, "policy": spec, "budget": budget,
@@ -179,8 +197,8 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
             latency_rows += [{"length": n_tokens, "policy": p, "budget": None if p == "full" else budget, **timed[p]}
                              for p in policies]
     return {
-        "machine": machine_info(), "policies": list(policies), "budgets": list(budgets), "lengths": list(lengths),
-        "tasks": list(tasks), "num_samples": num_samples, "num_records": num_records, "dense_layers": dense_layers,
+        "machine": machine_info(), "policies": report_policies, "budgets": report_budgets, "lengths": report_lengths,
+        "tasks": report_tasks, "num_samples": num_samples, "num_records": num_records, "dense_layers": dense_layers,
         "seed": seed, "question_in_prefill": question_in_prefill, "accuracy": rows, "latency": latency_rows,
         "seconds": {f"{t} {n}": round(v, 1) for (t, n), v in seconds.items()},
     }
@@ -227,7 +245,8 @@ def plot(result: dict, path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(t, n) for t in result["tasks"] for n in result["lengths"]]
+    panels = [(t, n) for t in result["tasks"] for n in result["lengths"]
+              if any(r["task"] == t and r["length"] == n for r in result["accuracy"])]
     has_latency = bool(result.get("latency"))
     fig, axes = plt.subplots(1, len(panels) + has_latency, figsize=(4.2 * (len(panels) + has_latency), 3.6), squeeze=False)
     colors = plt.cm.tab20(np.linspace(0, 1, 20))

@@ -254,6 +254,23 @@ def test_sweep_resumes_from_its_checkpoint(tmp_path, monkeypatch):
         sweep.run_sweep(None, **{**kwargs, "num_samples": 8})
 
 
+def test_sweep_reports_every_task_its_checkpoint_holds(tmp_path, monkeypatch):
+    """A call naming one task, length or policy still reports the others the checkpoint holds for its setting."""
+    monkeypatch.setattr(retrieval, "answer_shared", lambda model, policies, samples, task, n_tokens, **kw: {
+        key: [retrieval.Scored(task, n_tokens, 0.5, "1", "1", task == "passkey", "1")] * len(samples)
+        for key in policies})
+    monkeypatch.setattr(retrieval, "task_samples", lambda model, task, n, num, seed, records: list(range(num)))
+    kwargs = dict(num_samples=2, batch_size=2, latency=False, progress=False, checkpoint=str(tmp_path / "b.jsonl"))
+    sweep.run_sweep(None, policies=("full", "streaming"), budgets=(64,), lengths=(512,), tasks=("passkey",), **kwargs)
+    later = sweep.run_sweep(None, policies=("full", "h2o"), budgets=(128,), lengths=(1024,), tasks=("multikey",), **kwargs)
+    cells = {(r["task"], r["length"], r["policy"], r["budget"]): r["accuracy"] for r in later["accuracy"]}
+    assert cells == {("passkey", 512, "full", None): 1.0, ("passkey", 512, "streaming", 64): 1.0,
+                     ("multikey", 1024, "full", None): 0.0, ("multikey", 1024, "h2o", 128): 0.0}
+    assert (later["tasks"], later["lengths"], later["budgets"]) == (["multikey", "passkey"], [512, 1024], [64, 128])
+    assert later["policies"] == ["full", "h2o", "streaming"]
+    assert "**passkey**, 512 tokens" in sweep.accuracy_table(later)
+
+
 def test_sweep_policy_specs():
     quest0 = sweep.build_policy("quest:dense_layers=0", 128, dense_layers=2)
     assert (quest0.name, quest0.token_budget, quest0.dense_layers) == ("quest", 128, 0)
