@@ -111,15 +111,16 @@ def bench_policies(runs: list, steps: int) -> list[dict]:
 
 
 def kv_bytes_read(name: str, cfg, context: int, budget: int, page_size: int, kv_dtype: str = "float32") -> int:
-    """K and V bytes one decode step reads over all layers (plus Quest's min/max metadata; int8 pages: plus
-    one float32 scale per slot for K and for V)."""
-    per_slot = 2 * cfg.head_dim * 4 if kv_dtype == "float32" else 2 * (cfg.head_dim + 4)
+    """K and V bytes one decode step reads over all layers (plus Quest's min/max metadata: float32, or
+    bfloat16 for bfloat16 pages; int8 pages: plus one float32 scale per slot for K and for V)."""
+    per_slot = {"float32": 2 * cfg.head_dim * 4, "bfloat16": 2 * cfg.head_dim * 2, "int8": 2 * (cfg.head_dim + 4)}[kv_dtype]
+    meta_itemsize = 2 if kv_dtype == "bfloat16" else 4
     heads = cfg.num_kv_heads
     if name == "full":
         return cfg.num_layers * heads * context * per_slot
     if name.startswith("quest"):
         pages = -(-context // page_size)
-        return cfg.num_layers * heads * (budget * per_slot + pages * 2 * cfg.head_dim * 4)
+        return cfg.num_layers * heads * (budget * per_slot + pages * 2 * cfg.head_dim * meta_itemsize)
     return cfg.num_layers * heads * budget * per_slot  # an average budget per head
 
 

@@ -12,6 +12,8 @@ layer reads (`read_pages`) stay static either way (see `KVState.for_layers`).
 
 from __future__ import annotations
 
+import warnings
+
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +126,12 @@ def pages_for(num_slots, page_size: int):
     return (num_slots + page_size - 1) // page_size
 
 
+BFLOAT16_PAGES_ON_CPU = (
+    "bfloat16 KV pages on CPU: XLA:CPU has no bfloat16 scatter, so every write into the page pool converts the "
+    "whole pool to float32 and back (SmolLM2-135M decoded 308 ms a step against 36 ms with float32 pages); use "
+    "kv_dtype='float32' or 'int8' on CPU (docs/design.md, int8 pages)")
+
+
 def init_state(
     cfg: ModelConfig,
     batch: int,
@@ -152,6 +160,8 @@ def init_state(
     N = num_pages
     quantized = jnp.dtype(dtype) == jnp.dtype(jnp.int8)
     meta_dtype = jnp.float32 if quantized else dtype
+    if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and jax.default_backend() == "cpu":
+        warnings.warn(BFLOAT16_PAGES_ON_CPU, stacklevel=2)
     return KVState(
         k_pages=jnp.zeros((N, page_size, D), dtype),
         v_pages=jnp.zeros((N, page_size, D), dtype),

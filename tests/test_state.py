@@ -1,5 +1,8 @@
 """Paged state invariants, capacity errors and bad input."""
 
+import warnings
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -150,3 +153,15 @@ def test_unknown_policy_name():
         kvjax.make_policy("nope")
     with pytest.raises(ValueError, match="no option"):
         kvjax.make_policy("full", token_budget=3)
+
+
+def test_bfloat16_pages_on_cpu_warn_of_the_pool_conversion(llama):
+    """XLA:CPU converts a bfloat16 pool to float32 and back around every scatter into it: say so."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the conversion is XLA:CPU's")
+    with pytest.warns(UserWarning, match="bfloat16 KV pages on CPU"):
+        init_state(llama.cfg, batch=1, capacity=32, dtype=jnp.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        init_state(llama.cfg, batch=1, capacity=32, dtype=jnp.float32)
+        init_state(llama.cfg, batch=1, capacity=32, dtype=jnp.int8)
