@@ -12,8 +12,6 @@ layer reads (`read_pages`) stay static either way (see `KVState.for_layers`).
 
 from __future__ import annotations
 
-import warnings
-
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +20,7 @@ from flax import struct
 
 from kvjax.config import ModelConfig
 from kvjax.pallas_kernels import dequantize, quantize_int8
+from kvjax.pallas_kernels._quant import BFLOAT16_BITS, bfloat16_bits, is_bfloat16_bits, page_values
 
 # overflow[0] codes
 OVERFLOW_NONE, OVERFLOW_POOL, OVERFLOW_TABLE = 0, 1, 2
@@ -41,7 +40,8 @@ class KVState:
     """Paged KV cache. N = num_pages, ps = page_size, D = head_dim, L = layers, B = batch, H = kv heads,
     P = max logical pages per (layer, sequence, head)."""
 
-    k_pages: jax.Array  # [N, ps, D]   keys after RoPE, at their original positions (float, or int8 with scales)
+    k_pages: jax.Array  # [N, ps, D]   keys after RoPE, at their original positions (float, or int8 with scales;
+    #                  bfloat16 pages on CPU as uint16 bit patterns: read them through `read_k`, `page_dtype`)
     v_pages: jax.Array  # [N, ps, D]
     kmin: jax.Array  # [N, D]        elementwise min of valid keys of the page (+inf when empty); for int8
     #                  pages the min of the dequantised keys, so Quest's bound holds for what attention reads
@@ -92,15 +92,21 @@ class KVState:
         """Whether pages hold int8 values with per-slot scales (`kvjax.pallas_kernels.quantize_int8`)."""
         return self.k_scale is not None
 
+    @property
+    def page_dtype(self):
+        """The pages' dtype: float32, bfloat16 or int8 (bfloat16 also when held as uint16 bit patterns, the
+        layout `init_state` picks on CPU)."""
+        return jnp.dtype(jnp.bfloat16) if is_bfloat16_bits(self.k_pages) else jnp.dtype(self.k_pages.dtype)
+
     def read_k(self, pages: jax.Array) -> jax.Array:
         """Keys of physical `pages [...]`, `[..., ps, D]`: in the pages' dtype, or float32 dequantised from
         int8 pages."""
-        k = self.k_pages[pages]
+        k = page_values(self.k_pages[pages])
         return k if self.k_scale is None else dequantize(k, self.k_scale[pages])
 
     def read_v(self, pages: jax.Array) -> jax.Array:
         """Values of physical `pages [...]`, as `read_k`."""
-        v = self.v_pages[pages]
+        v = page_values(self.v_pages[pages])
         return v if self.v_scale is None else dequantize(v, self.v_scale[pages])
 
     @property
@@ -124,12 +130,6 @@ class KVState:
 def pages_for(num_slots, page_size: int):
     """Pages that `num_slots` slots occupy (ceil division; works on ints and arrays)."""
     return (num_slots + page_size - 1) // page_size
-
-
-BFLOAT16_PAGES_ON_CPU = (
-    "bfloat16 KV pages on CPU: XLA:CPU has no bfloat16 scatter, so every write into the page pool converts the "
-    "whole pool to float32 and back (SmolLM2-135M decoded 308 ms a step against 36 ms with float32 pages); use "
-    "kv_dtype='float32' or 'int8' on CPU (docs/design.md, int8 pages)")
 
 
 def init_state(
@@ -160,11 +160,15 @@ def init_state(
     N = num_pages
     quantized = jnp.dtype(dtype) == jnp.dtype(jnp.int8)
     meta_dtype = jnp.float32 if quantized else dtype
+    stored = dtype
     if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and jax.default_backend() == "cpu":
-        warnings.warn(BFLOAT16_PAGES_ON_CPU, stacklevel=2)
+        # XLA:CPU has no bfloat16 scatter: it converted the whole pool (and the metadata) to float32 and back
+        # around every write. Held as uint16 bit patterns, the pool is written by integer scatters and read
+        # through bitcasts of gathered blocks; the metadata is float32, exact for bfloat16 keys.
+        stored, meta_dtype = BFLOAT16_BITS, jnp.float32
     return KVState(
-        k_pages=jnp.zeros((N, page_size, D), dtype),
-        v_pages=jnp.zeros((N, page_size, D), dtype),
+        k_pages=jnp.zeros((N, page_size, D), stored),
+        v_pages=jnp.zeros((N, page_size, D), stored),
         kmin=jnp.full((N, D), jnp.inf, meta_dtype),
         kmax=jnp.full((N, D), -jnp.inf, meta_dtype),
         slot_pos=jnp.full((N, page_size), -1, jnp.int32),
@@ -266,8 +270,10 @@ def append_to_layer(
             v_scale=state.v_scale.at[page, offset].set(v_scale, mode="drop"),
         )
     else:
-        k = k_stored = k.astype(state.k_pages.dtype)
-        v_stored = v.astype(state.v_pages.dtype)
+        k = k_stored = k.astype(state.page_dtype)
+        v_stored = v.astype(state.page_dtype)
+        if is_bfloat16_bits(state.k_pages):
+            k_stored, v_stored = bfloat16_bits(k_stored), bfloat16_bits(v_stored)
     k = k.astype(state.kmin.dtype)
     return state.replace(
         k_pages=state.k_pages.at[page, offset].set(k_stored, mode="drop"),

@@ -12,6 +12,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from ._quant import is_bfloat16_bits
+
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 SUPPORTED_PAGE_SIZES = (16, 32, 64)
 
@@ -98,7 +100,8 @@ def check_page_scales(k_pages, k_scale, v_scale) -> None:
             if tuple(scale.shape) != tuple(k_pages.shape[:2]):
                 raise _shape_error(name, scale, f"{tuple(k_pages.shape[:2])} (num_pages, page_size of k_pages)")
         return
-    _check_float("k_pages", k_pages)
+    if not is_bfloat16_bits(k_pages):  # uint16: bfloat16 bit patterns (pallas_kernels._quant.BFLOAT16_BITS)
+        _check_float("k_pages", k_pages)
     if k_scale is not None or v_scale is not None:
         raise ValueError(f"k_scale and v_scale are for int8 pages; k_pages is {k_pages.dtype}")
 

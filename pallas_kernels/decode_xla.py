@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _pages
+from ._quant import page_values
 
 # How one block of gathered pages is folded into the softmax state:
 #   mulsum : logits and p.v as broadcast-multiply + reduce (XLA maps them to its CPU library fusions)
@@ -111,7 +112,7 @@ def attend_read_list_xla(
         q_rows = q_rows[:, 0]  # [R, D]: no size-1 axis (see the module docstring)
 
     def gather(pool, pages):
-        gathered = pool.at[pages].get(mode="promise_in_bounds")  # pages are clamped into the pool
+        gathered = page_values(pool.at[pages].get(mode="promise_in_bounds"))  # pages are clamped into the pool
         if formulation == "mulsum_barrier":
             gathered = lax.optimization_barrier(gathered)
         return gathered.astype(jnp.float32)

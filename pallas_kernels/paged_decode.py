@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from . import _pages
 from ._backend import resolve_backend, resolve_interpret
+from ._quant import page_values
 from ._validation import check_decode_inputs, resolve_sm_scale
 from .decode_reference import paged_decode_reference, sparse_paged_decode_reference
 from .decode_xla import attend_read_list_xla
@@ -96,10 +97,14 @@ def sparse_paged_decode(
       k_scale, v_scale: f32[N, ps], the per-slot scales of int8 pages (`pallas_kernels._quant`); every
         backend dequantises as it reads. None for float pages.
 
+    Pages may also be uint16: bfloat16 pages held as their bit patterns (`_quant.BFLOAT16_BITS`, kvjax's
+    layout on CPU). The XLA path bitcasts each gathered block; other backends bitcast the pool first.
+
     Returns:
       out [B, Hq, D] in q's dtype (and row max, row sum f32[B, Hq] with `return_stats`).
     """
     backend = resolve_backend(backend)
+    k_pages, v_pages = _pool_for(backend, k_pages, v_pages)
     if backend == "reference":
         return sparse_paged_decode_reference(
             q, k_pages, v_pages, page_table, selected, lengths, sm_scale=sm_scale, return_stats=return_stats,
@@ -139,6 +144,14 @@ def sparse_paged_decode(
     return _finish(q, out, row_max, row_sum, return_stats)
 
 
+def _pool_for(backend: str, k_pages, v_pages):
+    """The pools as `backend` reads them: bfloat16 bit patterns (uint16) stay bits for the XLA path, which
+    bitcasts each gathered block, and become bfloat16 arrays for the others."""
+    if backend == "xla":
+        return k_pages, v_pages
+    return page_values(k_pages), page_values(v_pages)
+
+
 def paged_decode(
     q,  # [B, Hq, D]
     k_pages,  # [N, ps, D]
@@ -161,6 +174,7 @@ def paged_decode(
     Equal to `sparse_paged_decode` with every page selected. Arguments and results as there.
     """
     backend = resolve_backend(backend)
+    k_pages, v_pages = _pool_for(backend, k_pages, v_pages)
     if backend == "reference":
         return paged_decode_reference(
             q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale, return_stats=return_stats,

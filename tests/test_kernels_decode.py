@@ -88,6 +88,22 @@ def test_dense_decode_matches_reference(backend, dtype):
     assert_decode_matches(result, expected, dtype)
 
 
+@pytest.mark.parametrize("backend", ("reference",) + BACKENDS)
+def test_bfloat16_pages_held_as_bits_decode_as_bfloat16_pages(backend):
+    """uint16 pools (bfloat16 bit patterns, kvjax's CPU layout) give exactly what the bfloat16 pools give,
+    dense and sparse: the XLA path bitcasts each gathered block, the other backends the pool."""
+    rng = np.random.default_rng([41, backend != "xla"])
+    q, k_pages, v_pages, _, _, page_table, lengths = make_paged_inputs(rng, **DENSE_SHAPE).as_jax(jnp.bfloat16)
+    k_bits, v_bits = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (k_pages, v_pages))
+    dense = jitted(pk.paged_decode, backend=backend, return_stats=True)
+    for got, want in zip(dense(q, k_bits, v_bits, page_table, lengths), dense(q, k_pages, v_pages, page_table, lengths)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    selected = jnp.asarray(np.stack([rng.permutation(7)[:3] for _ in range(16)]).reshape(2, 8, 3), jnp.int32)
+    sparse = jitted(pk.sparse_paged_decode, backend=backend)
+    np.testing.assert_array_equal(np.asarray(sparse(q, k_bits, v_bits, page_table, selected, lengths), np.float32),
+                                  np.asarray(sparse(q, k_pages, v_pages, page_table, selected, lengths), np.float32))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("per_kv_head", [False, True])
 def test_selecting_every_page_equals_dense_decode(backend, per_kv_head):
