@@ -93,7 +93,8 @@ class PolicyRun:
         step = statistics.median(self.times)
         return {"prefill_s": self.prefill_s, "prefill_compile_s": self.prefill_compile_s, "decode_step_s": step,
                 "decode_tokens_per_s": 1 / step, "pages_in_use": self.report["pages_in_use"],
-                "pages_full_cache": self.report["pages_full_cache"], "kv_bytes_in_use": self.report["bytes_in_use"]}
+                "pages_full_cache": self.report["pages_full_cache"], "kv_bytes_in_use": self.report["bytes_in_use"],
+                "meta_itemsize": self.state.kmin.dtype.itemsize}
 
 
 _MAX_STEPS = 64  # room each prefill leaves for decoding (steps + warm-up)
@@ -110,11 +111,12 @@ def bench_policies(runs: list, steps: int) -> list[dict]:
     return [run.result() for run in runs]
 
 
-def kv_bytes_read(name: str, cfg, context: int, budget: int, page_size: int, kv_dtype: str = "float32") -> int:
-    """K and V bytes one decode step reads over all layers (plus Quest's min/max metadata: float32, or
-    bfloat16 for bfloat16 pages; int8 pages: plus one float32 scale per slot for K and for V)."""
+def kv_bytes_read(name: str, cfg, context: int, budget: int, page_size: int, kv_dtype: str = "float32",
+                  meta_itemsize: int = 4) -> int:
+    """K and V bytes one decode step reads over all layers (plus Quest's min/max metadata, `meta_itemsize`
+    bytes a value: the state's `kmin` dtype, float32 but for bfloat16 pages off CPU; int8 pages: plus one
+    float32 scale per slot for K and for V)."""
     per_slot = {"float32": 2 * cfg.head_dim * 4, "bfloat16": 2 * cfg.head_dim * 2, "int8": 2 * (cfg.head_dim + 4)}[kv_dtype]
-    meta_itemsize = 2 if kv_dtype == "bfloat16" else 4
     heads = cfg.num_kv_heads
     if name == "full":
         return cfg.num_layers * heads * context * per_slot
@@ -163,6 +165,28 @@ def plot(payload: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def render(payload: dict, out: str) -> str:
+    """The Markdown table, JSON and plot of a run's `payload` under `out`; returns the table."""
+    budget, steps = payload["budget"], payload["timed_steps"]
+    results = payload["results"]
+    headers = ["context", "policy", "KV pages", "decode tok/s", "speedup vs full", "vs float32 pages", "KV MB read/step",
+               "KV read GB/s", "pages in use / full", "prefill s", "prefill compile s", "decode vs snapkv",
+               "prefill vs snapkv"]
+    ratio = lambda x: "" if x is None else f"{x:.2f}x"  # noqa: E731
+    rows = [[r["context"], r["policy"], r["kv_dtype"], r["decode_tokens_per_s"], ratio(r["speedup_vs_full"]),
+             ratio(r["speedup_vs_float32_pages"]),
+             r["kv_bytes_read_per_step"] / 1e6, r["kv_read_gbps"], f"{r['pages_in_use']} / {r['pages_full_cache']}",
+             r["prefill_s"], r["prefill_compile_s"], *_vs_snapkv(r, results)] for r in results]
+    note = (f"\nBudget {budget} slots per kv head (Quest: slots read per head; dense_layers=0 here). "
+            f"{payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores; median of "
+            f"{steps} decode steps after a warm-up, timed round-robin over the policies; prefill seconds exclude compiling (JAX's compile events), "
+            "reported apart.\n")
+    table = markdown_table(headers, rows) + note
+    paths = write_outputs(out, "bench_policies", payload, table)
+    plot(payload, paths["json"].replace(".json", ".png"))
+    return table
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192], help="16384 too fits in about 25 minutes")
@@ -194,7 +218,8 @@ def main(argv=None):
                 for name, kv_dtype in tqdm(jobs, desc=f"{context} prefill: policy x kv dtype")]
         for (name, kv_dtype), row in zip(jobs, bench_policies(runs, args.steps)):
             row.update(policy=name, context=context, kv_dtype=kv_dtype,
-                       kv_bytes_read_per_step=kv_bytes_read(name, cfg, context, args.budget, 16, kv_dtype))
+                       kv_bytes_read_per_step=kv_bytes_read(name, cfg, context, args.budget, 16, kv_dtype,
+                                                            row["meta_itemsize"]))
             results.append(row)
         del runs
     for row in results:
@@ -205,21 +230,7 @@ def main(argv=None):
         row["speedup_vs_float32_pages"] = row["decode_tokens_per_s"] / f32["decode_tokens_per_s"] if f32 else None
     payload = {"benchmark": "bench_policies", "machine": machine_info(), "budget": args.budget,
                "config": attention_heavy_config(args.vocab), "timed_steps": args.steps, "results": results}
-    headers = ["context", "policy", "KV pages", "decode tok/s", "speedup vs full", "vs float32 pages", "KV MB read/step",
-               "KV read GB/s", "pages in use / full", "prefill s", "prefill compile s", "decode vs snapkv",
-               "prefill vs snapkv"]
-    ratio = lambda x: "" if x is None else f"{x:.2f}x"  # noqa: E731
-    rows = [[r["context"], r["policy"], r["kv_dtype"], r["decode_tokens_per_s"], ratio(r["speedup_vs_full"]),
-             ratio(r["speedup_vs_float32_pages"]),
-             r["kv_bytes_read_per_step"] / 1e6, r["kv_read_gbps"], f"{r['pages_in_use']} / {r['pages_full_cache']}",
-             r["prefill_s"], r["prefill_compile_s"], *_vs_snapkv(r, results)] for r in results]
-    note = (f"\nBudget {args.budget} slots per kv head (Quest: slots read per head; dense_layers=0 here). "
-            f"{payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores; median of "
-            f"{args.steps} decode steps after a warm-up, timed round-robin over the policies; prefill seconds exclude compiling (JAX's compile events), "
-            "reported apart.\n")
-    table = markdown_table(headers, rows) + note
-    paths = write_outputs(args.out, "bench_policies", payload, table)
-    plot(payload, paths["json"].replace(".json", ".png"))
+    table = render(payload, args.out)
     print(table)
     return payload
 
