@@ -12,15 +12,20 @@ layer reads (`read_pages`) stay static either way (see `KVState.for_layers`).
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
 from kvjax.config import ModelConfig
-from kvjax.pallas_kernels import dequantize, quantize_int8
-from kvjax.pallas_kernels._quant import BFLOAT16_BITS, bfloat16_bits, is_bfloat16_bits, page_values
+from kvjax.pallas_kernels import (
+    BFLOAT16_BITS,
+    bfloat16_bits,
+    dequantize,
+    is_bfloat16_bits,
+    page_values,
+    quantize_int8,
+)
 
 # overflow[0] codes
 OVERFLOW_NONE, OVERFLOW_POOL, OVERFLOW_TABLE = 0, 1, 2

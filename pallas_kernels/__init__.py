@@ -3,7 +3,14 @@ paged decode. Each kernel has a pure-jnp reference (the oracle), a tuned XLA pat
 Pallas Mosaic TPU kernel and a Pallas GPU kernel; `backend=` overrides the choice by platform."""
 
 from ._backend import resolve_backend
-from ._quant import dequantize, quantize_int8
+from ._quant import (
+    BFLOAT16_BITS,
+    bfloat16_bits,
+    dequantize,
+    is_bfloat16_bits,
+    page_values,
+    quantize_int8,
+)
 from .decode_reference import paged_decode_reference, sparse_paged_decode_reference
 from .paged_decode import paged_decode, sparse_paged_decode
 from .quest_scores import (
@@ -14,7 +21,11 @@ from .quest_scores import (
 )
 
 __all__ = [
+    "BFLOAT16_BITS",
+    "bfloat16_bits",
     "dequantize",
+    "is_bfloat16_bits",
+    "page_values",
     "quantize_int8",
     "quest_page_scores",
     "quest_page_scores_reference",
