@@ -79,7 +79,7 @@ BENCHMARKS = {
     "real": "kvjax.eval.bench_real", "compile": "kvjax.eval.bench_compile", "perplexity": "kvjax.eval.perplexity",
     "trace-needle": "kvjax.eval.trace_needle", "locret-labels": "kvjax.eval.bench_locret_labels",
     "suite": "kvjax.eval.suite", "compare": "kvjax.eval.compare", "dispatch": "kvjax.eval.bench_dispatch",
-    "load": "kvjax.eval.bench_load",
+    "load": "kvjax.eval.bench_load", "locret-oracle": "kvjax.eval.locret_oracle",
 }
 TRAINERS = {"locret": "kvjax.train.locret", "default-model": "kvjax.train.train_default_model",
             "cacheclip-aux": "kvjax.train.cacheclip_aux"}

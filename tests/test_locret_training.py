@@ -57,6 +57,11 @@ def test_labels_match_numpy(hf_models):
             np.testing.assert_allclose(np.asarray(targets.k_pre[layer, b, :P]), k_pre[:P], atol=1e-5)
             np.testing.assert_allclose(np.asarray(targets.v[layer, b, :P]), v[:P], atol=1e-5)
         assert np.asarray(targets.valid[b]).sum() == P
+    # labels only (what scoring tokens by their labels reads): the same labels, no inputs recorded
+    only = jax.jit(lambda p, b: compute_targets(p, b, cfg=model.cfg, dtype=jnp.float32, chunk_size=16, features=False))(
+        model.params, batch)
+    assert only.q_pre is None and only.k_pre is None and only.v is None
+    np.testing.assert_array_equal(np.asarray(only.labels), np.asarray(targets.labels))
 
     # the loss (what loss_fn returns on these targets, and what the train step differentiates) against numpy
     heads = init_heads(HeadsConfig.for_model(model.cfg, 16), seed=3).params

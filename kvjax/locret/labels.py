@@ -42,11 +42,12 @@ class Batch(NamedTuple):
 
 
 class Targets(NamedTuple):
-    """Per-layer retaining-head inputs and labels of the prefix tokens. L layers."""
+    """Per-layer retaining-head inputs and labels of the prefix tokens. L layers. The inputs are None when
+    `compute_targets(..., features=False)` (labels only)."""
 
-    q_pre: jax.Array  # [L, B, Tp, Hq, D]
-    k_pre: jax.Array  # [L, B, Tp, H, D]
-    v: jax.Array  # [L, B, Tp, H, D]
+    q_pre: jax.Array | None  # [L, B, Tp, Hq, D]
+    k_pre: jax.Array | None  # [L, B, Tp, H, D]
+    v: jax.Array | None  # [L, B, Tp, H, D]
     labels: jax.Array  # f32[L, B, Tp, H]
     valid: jax.Array  # bool[B, Tp]: a real prefix token
 
@@ -101,9 +102,11 @@ def answer_logit_max(
     return jnp.where(key_real, best, 0.0)
 
 
-def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chunk_size: int, page_size: int = 16) -> Targets:
+def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chunk_size: int, page_size: int = 16,
+                    features: bool = True) -> Targets:
     """Retaining-head inputs and labels for `batch` (see the module docstring). `chunk_size` must divide
-    the prefix width Tp (or exceed it)."""
+    the prefix width Tp (or exceed it). `features=False` records no inputs (labels only: what scoring
+    tokens by their labels needs, `L * Tp * (Hq + 2H) * D` less memory)."""
     B, Tp = batch.prefix.shape
     A = batch.answer.shape[1]
     C = min(chunk_size, Tp)
@@ -119,7 +122,8 @@ def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chun
 
     def prefix_chunk(state, i):
         num_new = jnp.clip(batch.prefix_len - i * C, 0, C).astype(jnp.int32)
-        feats = (jnp.zeros((L, B, C, Hq, D), dtype), jnp.zeros((L, B, C, H, D), dtype), jnp.zeros((L, B, C, H, D), dtype))
+        shapes = ((L, B, C, Hq, D), (L, B, C, H, D), (L, B, C, H, D)) if features else ()
+        feats = tuple(jnp.zeros(shape, dtype) for shape in shapes)
         tokens = jax.lax.dynamic_slice_in_dim(batch.prefix, i * C, C, axis=1)
         return _chunk(model_params, state, tokens, num_new, feats, cfg=cfg, dtype=dtype, rope=rope, on_layer=record)
 
@@ -140,4 +144,5 @@ def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chun
     )
     stack = lambda x: jnp.moveaxis(x, 0, 2).reshape(L, B, Tp, *x.shape[4:])  # [L, B, Tp, ...]
     valid = jnp.arange(Tp)[None, :] < batch.prefix_len[:, None]
-    return Targets(*(stack(x) for x in chunks), labels, valid)
+    inputs = tuple(stack(x) for x in chunks) if features else (None, None, None)
+    return Targets(*inputs, labels, valid)
