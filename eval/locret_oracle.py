@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.locret.labels import Batch, compute_targets
 from kvjax.policies.base import ChunkSchedule
 from kvjax.policies.locret import Locret
 
@@ -75,23 +76,19 @@ def answer_ids(model, sample) -> list[int]:
     return model.tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False)["input_ids"]
 
 
-def batch_labels(model, samples, task: str, chunk: int, rows_at_once: int = 5) -> np.ndarray:
-    """f32[L, B, Tp, H]: the labels of each sample's context tokens, the answer being its question (fed by
-    decode in the protocol) and gold answer; Tp is the longest context rounded up to `chunk`."""
-    from kvjax.locret.labels import Batch, compute_targets
+# compiled once per (cfg, dtype, chunk, shapes), not once per call
+_labels_only = jax.jit(functools.partial(compute_targets, features=False), static_argnames=("cfg", "dtype", "chunk_size"))
 
-    from . import retrieval
 
-    split = [retrieval.split_sample(model, s, task) for s in samples]
-    prefixes = [c for c, _, _ in split]
-    answers = [q + answer_ids(model, s) for (_, q, _), s in zip(split, samples)]
+def batch_labels(model, prefixes, answers, chunk: int, rows_at_once: int = 5) -> np.ndarray:
+    """f32[L, B, Tp, H]: the labels of each row's prefix tokens (`prefixes[b]`, token ids) against its answer
+    (`answers[b]`: in the oracle, the question fed by decode and the gold answer); Tp is the longest prefix
+    rounded up to `chunk`."""
     Tp = -(-max(map(len, prefixes)) // chunk) * chunk
     A = max(map(len, answers))
-    step = jax.jit(functools.partial(compute_targets, cfg=model.cfg, dtype=model.dtype, chunk_size=chunk,
-                                     features=False))
     out = []
-    for start in range(0, len(samples), rows_at_once):
-        rows = range(start, min(start + rows_at_once, len(samples)))
+    for start in range(0, len(prefixes), rows_at_once):
+        rows = range(start, min(start + rows_at_once, len(prefixes)))
         prefix = np.zeros((len(rows), Tp), np.int32)
         answer = np.zeros((len(rows), A), np.int32)
         for i, r in enumerate(rows):
@@ -99,7 +96,7 @@ def batch_labels(model, samples, task: str, chunk: int, rows_at_once: int = 5) -
             answer[i, : len(answers[r])] = answers[r]
         batch = Batch(jnp.asarray(prefix), jnp.asarray([len(prefixes[r]) for r in rows], jnp.int32),
                       jnp.asarray(answer), jnp.asarray([len(answers[r]) for r in rows], jnp.int32))
-        out.append(np.asarray(step(model.params, batch).labels))
+        out.append(np.asarray(_labels_only(model.params, batch, cfg=model.cfg, dtype=model.dtype, chunk_size=chunk).labels))
     return np.concatenate(out, axis=1)
 
 
@@ -107,9 +104,10 @@ def needle_kept(state, spans) -> list[float]:
     """Per row b, the share of `spans[b]`'s positions the state holds, averaged over layers and kv heads."""
     from kvjax.compaction import kept_positions
 
+    from .trace_needle import kept_share
+
     kept = kept_positions(state)
-    return [float(np.mean([np.isin(span, kept[l][b][h]).mean() for l in range(len(kept)) for h in range(len(kept[l][b]))]))
-            for b, span in enumerate(spans)]
+    return [float(kept_share(state, span, row=b, kept=kept).mean()) for b, span in enumerate(spans)]
 
 
 def run_batch(model, samples, task: str, length: int, budgets, heads, stabilizers: int, local_tail: int,
@@ -120,9 +118,10 @@ def run_batch(model, samples, task: str, length: int, budgets, heads, stabilizer
     from . import retrieval
     from .trace_needle import needle_span
 
-    labels = jnp.asarray(batch_labels(model, samples, task, chunk))
     split = [retrieval.split_sample(model, s, task) for s in samples]
     contexts = [c for c, _, _ in split]
+    labels = jnp.asarray(batch_labels(model, contexts, [q + answer_ids(model, s) for (_, q, _), s in zip(split, samples)],
+                                      chunk))
     questions = [np.asarray(q, np.int32) for _, q, _ in split]
     max_new = max(m for _, _, m in split)
     reserve = max(len(q) for q in questions) + max_new
@@ -189,16 +188,21 @@ def run(model, tasks, length: int, budgets, heads, num_samples: int = 50, batch_
                                         "seconds": round(time.perf_counter() - started, 1)}) + "\n")
         bar.close()
         jax.clear_caches()
+    pooled: dict = {}  # (task, cell key) -> {"scores": [...], "needle_kept": [...]}, batches in order
+    for (task, _), have in sorted(done.items()):
+        for key, values in have.items():
+            into = pooled.setdefault((task, key), {"scores": [], "needle_kept": []})
+            into["scores"] += values["scores"]
+            into["needle_kept"] += values["needle_kept"]
     cells = []
     for task in tasks:
-        for key in dict.fromkeys(k for (t, _), have in sorted(done.items()) if t == task for k in have):
-            scores = [v for (t, _), have in sorted(done.items()) if t == task and key in have for v in have[key]["scores"]]
-            kept = [v for (t, _), have in sorted(done.items()) if t == task and key in have
-                    for v in have[key]["needle_kept"]]
+        for (t, key), values in pooled.items():
+            if t != task:
+                continue
             name, budget = key.rsplit("@", 1)
             cells.append({"task": task, "length": length, "cell": name, "budget": int(budget),
-                          "accuracy": float(np.mean(scores)), "needle_kept": float(np.mean(kept)),
-                          "samples": len(scores)})
+                          "accuracy": float(np.mean(values["scores"])), "needle_kept": float(np.mean(values["needle_kept"])),
+                          "samples": len(values["scores"])})
     return {"machine": machine_info(), "setting": setting, "cells": cells}
 
 

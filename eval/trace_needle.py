@@ -66,12 +66,13 @@ def needle_attention(model, prompt_ids, span: np.ndarray) -> np.ndarray:
     return np.stack(masses)
 
 
-def kept_share(state, span: np.ndarray) -> np.ndarray:
-    """f32[L, H]: per layer and kv head of sequence 0, the share of `span`'s positions the state holds."""
+def kept_share(state, span: np.ndarray, row: int = 0, kept: list | None = None) -> np.ndarray:
+    """f32[L, H]: per layer and kv head of sequence `row`, the share of `span`'s positions the state holds.
+    `kept`: the state's `kvjax.compaction.kept_positions`, when the caller already read them."""
     from kvjax.compaction import kept_positions
 
-    kept = kept_positions(state)
-    return np.array([[np.isin(span, kept[l][0][h]).mean() for h in range(len(kept[l][0]))]
+    kept = kept_positions(state) if kept is None else kept
+    return np.array([[np.isin(span, kept[l][row][h]).mean() for h in range(len(kept[l][row]))]
                      for l in range(len(kept))])
 
 
