@@ -8,6 +8,7 @@ compared with a large read (jnp.sum over ~2 GiB) measured in the same run.
     python eval/bench_attention.py            # full run, ~3-5 min on 2 CPU cores
     python eval/bench_attention.py --quick    # smoke run
     python eval/bench_attention.py --formulations   # also compare the XLA path's block formulations
+    python eval/bench_attention.py --components     # also time Quest's stages alone
 
 Writes bench_attention.{json,md,png} under --out (default ./kvjax-results/attention; committed: eval/results/attention).
 """
@@ -158,14 +159,27 @@ def bench_model_context(shape, context, budgets, args, large_read: LargeRead, fo
     layer_args = [(pool.k_pages, pool.v_pages, pool.kmin, pool.kmax, pool.lengths, qs[i], pool.page_tables[i])
                   for i in range(num_layers)]
 
-    def decode_dense(k_pages, v_pages, kmin, kmax, lengths, q, page_table, formulation=None):
+    def decode_dense(k_pages, v_pages, kmin, kmax, lengths, q, page_table, inputs=None, formulation=None):
         return pk.paged_decode(q, k_pages, v_pages, page_table, lengths, formulation=formulation)
 
-    def quest(k_pages, v_pages, kmin, kmax, lengths, q, page_table, *, formulation, per_kv_head, top_k):
-        scores = pk.quest_page_scores(q, kmin, kmax, page_table, lengths, page_size=page_size,
-                                      per_kv_head=per_kv_head)
-        selected = pk.select_top_pages(scores, top_k)
+    def scores(kmin, kmax, lengths, q, page_table, per_kv_head):
+        return pk.quest_page_scores(q, kmin, kmax, page_table, lengths, page_size=page_size, per_kv_head=per_kv_head)
+
+    def quest(k_pages, v_pages, kmin, kmax, lengths, q, page_table, inputs=None, *, formulation, per_kv_head, top_k):
+        selected = pk.select_top_pages(scores(kmin, kmax, lengths, q, page_table, per_kv_head), top_k)
         return pk.sparse_paged_decode(q, k_pages, v_pages, page_table, selected, lengths, formulation=formulation)
+
+    # Quest's stages, each timed alone in the same round-robin (--components): the page scores, the top-k of
+    # scores computed beforehand, and the sparse decode of a selection made beforehand (both arguments, like
+    # the pool)
+    def stage_scores(k_pages, v_pages, kmin, kmax, lengths, q, page_table, inputs=None, *, per_kv_head):
+        return scores(kmin, kmax, lengths, q, page_table, per_kv_head)
+
+    def stage_top_k(k_pages, v_pages, kmin, kmax, lengths, q, page_table, inputs, *, mode, top_k):
+        return pk.select_top_pages(inputs[mode], top_k)
+
+    def stage_sparse(k_pages, v_pages, kmin, kmax, lengths, q, page_table, inputs, *, key):
+        return pk.sparse_paged_decode(q, k_pages, v_pages, page_table, inputs[key], lengths)
 
     variants = formulations or [None]
     selection_modes = ["query_head"] if shape.num_q_heads == shape.num_kv_heads else ["query_head", "kv_head"]
@@ -181,6 +195,24 @@ def bench_model_context(shape, context, budgets, args, large_read: LargeRead, fo
                 name = ("quest", budget, mode, formulation)
                 fns[name] = jax.jit(functools.partial(quest, **config))
                 quest_configs[name] = config
+    stages = {}  # Quest config -> its stages' names in `fns`
+    if args.components:
+        inputs = [{} for _ in layer_args]  # per layer: scores per selection mode, selections per config
+        for name, config in quest_configs.items():
+            _, budget, mode, formulation = name
+            if formulation is not None:
+                continue
+            key = f"{budget}-{mode}"
+            score = jax.jit(functools.partial(stage_scores, per_kv_head=config["per_kv_head"]))
+            top_k = jax.jit(functools.partial(stage_top_k, mode=mode, top_k=config["top_k"]))
+            for layer, layer_arg in enumerate(layer_args):
+                inputs[layer][mode] = score(*layer_arg)
+                inputs[layer][key] = top_k(*layer_arg, {mode: inputs[layer][mode]})
+            fns[("scores", mode)] = score
+            fns[("top_k", budget, mode)] = top_k
+            fns[("sparse", budget, mode)] = jax.jit(functools.partial(stage_sparse, key=key))
+            stages[name] = (("scores", mode), ("top_k", budget, mode), ("sparse", budget, mode))
+        layer_args = [layer_arg + (layer_inputs,) for layer_arg, layer_inputs in zip(layer_args, inputs)]
     medians, mins = time_interleaved(fns, layer_args, args.repeats)
 
     working_set = num_layers * kv_bytes_per_layer
@@ -217,13 +249,46 @@ def bench_model_context(shape, context, budgets, args, large_read: LargeRead, fo
                  "median_s": median, "min_s": mins[name], "bytes": quest_bytes,
                  "gbps": quest_bytes / median / 1e9, "speedup_vs_dense": dense_median / median,
                  "byte_ratio_vs_dense": dense_bytes / quest_bytes}
+        if name in stages:
+            scores_name, top_k_name, sparse_name = stages[name]
+            metadata_bytes = shape.num_kv_heads * max_pages * 2 * shape.head_dim * 4
+            entry["components"] = {
+                "scores_s": medians[scores_name],
+                "top_k_s": medians[top_k_name],
+                "sparse_decode_s": medians[sparse_name],
+                "scores_gbps": metadata_bytes / medians[scores_name] / 1e9,
+                "sparse_decode_gbps": (quest_bytes - metadata_bytes) / medians[sparse_name] / 1e9,
+            }
         row["quest"].append(entry)
         print(f"  {shape.name} {context:6d} quest b={budget:5d} {mode:10s}"
               f"{'' if formulation is None else ' ' + formulation:16s} {median * 1e3:8.2f} ms"
               f" {entry['gbps']:6.2f} GB/s speedup {entry['speedup_vs_dense']:5.2f}x"
               f" (bytes {entry['byte_ratio_vs_dense']:.1f}x)", flush=True)
+        if "components" in entry:
+            parts = entry["components"]
+            print(f"  {'':26s} scores {parts['scores_s'] * 1e3:.2f} ms ({parts['scores_gbps']:.1f} GB/s), top-k"
+                  f" {parts['top_k_s'] * 1e3:.2f} ms, sparse decode {parts['sparse_decode_s'] * 1e3:.2f} ms"
+                  f" ({parts['sparse_decode_gbps']:.1f} GB/s)", flush=True)
     del pool, layer_args, fns
     return row
+
+
+def huge_pages() -> dict:
+    """How this process's memory gets huge pages: the kernel's transparent-huge-page mode and glibc's malloc
+    tunable (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` asks for them where the mode is `madvise`)."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        mode = None
+    return {"transparent_hugepage": mode, "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
+
+
+def huge_pages_text(huge) -> str:
+    if not huge:
+        return "not recorded"
+    mode, tunables = huge.get("transparent_hugepage"), huge.get("glibc_tunables")
+    unset = "unset (in `madvise` mode XLA's buffers then get none)" if mode and "[madvise]" in mode else "unset"
+    return f"transparent huge pages `{mode}`; GLIBC_TUNABLES " + (f"`{tunables}`" if tunables else unset)
 
 
 def pk_default_formulation():
@@ -246,6 +311,8 @@ def write_markdown(result, path: Path):
         "kmin/kmax of every used page for Quest; speedup = dense ms / Quest ms; byte ratio = dense bytes / "
         "Quest bytes. CPU load average (1/5/15 min) at start/end"
         f": {result['load_start']} / {result['load_end']}: other work shared these 2 cores.",
+        "",
+        f"Huge pages: {huge_pages_text(result.get('huge_pages'))}.",
         "",
         "| model | context | layers (x LLC) | large read GB/s | dense ms | dense GB/s (of large read) | budget |"
         " selection | Quest ms | Quest GB/s | speedup | byte ratio |",
@@ -275,6 +342,24 @@ def write_markdown(result, path: Path):
                 speedup = f"{quest[0]['speedup_vs_dense']:.1f}x" if quest else "-"
                 lines.append(f"| {row['model']} | {row['context'] // 1024}K | {name} | {dense['median_s'] * 1e3:.1f} |"
                              f" {dense['gbps']:.1f} | {quest_ms} | {speedup} |")
+    if any("components" in q for row in result["rows"] for q in row["quest"]):
+        lines += ["", "## Quest's stages, each timed alone (same run)", "",
+                  "Page scores (kmin + kmax of every used page), the top-k of those scores, and the sparse "
+                  "decode of that selection, each stage's inputs computed beforehand. Their sum can differ from "
+                  "the Quest column, where XLA compiles the three together.", "",
+                  "| model | context | budget | selection | scores ms (GB/s) | top-k ms | sparse decode ms (GB/s) |"
+                  " sum ms | Quest ms |",
+                  "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for row in result["rows"]:
+            for q in row["quest"]:
+                if "components" not in q:
+                    continue
+                parts = q["components"]
+                total = parts["scores_s"] + parts["top_k_s"] + parts["sparse_decode_s"]
+                lines.append(f"| {row['model']} | {row['context'] // 1024}K | {q['budget']} | {q['selection']} | "
+                             f"{parts['scores_s'] * 1e3:.2f} ({parts['scores_gbps']:.1f}) | "
+                             f"{parts['top_k_s'] * 1e3:.2f} | {parts['sparse_decode_s'] * 1e3:.2f} "
+                             f"({parts['sparse_decode_gbps']:.1f}) | {total * 1e3:.2f} | {q['median_s'] * 1e3:.2f} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -286,7 +371,12 @@ def write_plot(result, path: Path):
     import matplotlib.ticker
 
     models = sorted({row["model"] for row in result["rows"]})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    with_stages = any("components" in q for row in result["rows"] for q in row["quest"])
+    fig, axes = plt.subplots(1 + with_stages, len(models), figsize=(6 * len(models), 4.5 * (1 + with_stages)),
+                             squeeze=False)
+    if with_stages:
+        for ax, model in zip(axes[1], models):
+            plot_stages(ax, [r for r in result["rows"] if r["model"] == model], model)
     for ax, model in zip(axes[0], models):
         rows = [r for r in result["rows"] if r["model"] == model]
         contexts = [r["context"] for r in rows]
@@ -312,6 +402,31 @@ def write_plot(result, path: Path):
     plt.close(fig)
 
 
+def plot_stages(ax, rows, model):
+    """Stacked bars of Quest's stages (scores, top-k, sparse decode) per context at each context's largest
+    budget, query-head selection, with the whole pipeline's time as a marker."""
+    labels, parts, totals = [], [], []
+    for row in rows:
+        timed = [q for q in row["quest"] if "components" in q and q["selection"] == "query_head"]
+        if not timed:
+            continue
+        q = max(timed, key=lambda q: q["budget"])
+        stage = q["components"]
+        labels.append(f"{row['context'] // 1024}K\nb={q['budget']}")
+        parts.append([stage["scores_s"] * 1e3, stage["top_k_s"] * 1e3, stage["sparse_decode_s"] * 1e3])
+        totals.append(q["median_s"] * 1e3)
+    bottom = np.zeros(len(labels))
+    for i, name in enumerate(["page scores", "top-k", "sparse decode"]):
+        heights = np.array([p[i] for p in parts])
+        ax.bar(labels, heights, bottom=bottom, label=name)
+        bottom += heights
+    ax.plot(labels, totals, "kD", label="whole Quest (one program)")
+    ax.set_ylabel("ms per layer (median)")
+    ax.set_title(f"{model}: Quest's stages, each timed alone")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (seconds)")
@@ -327,6 +442,8 @@ def main(argv=None):
                         help="page placement: as kvjax's allocator after a chunked prefill, or random")
     parser.add_argument("--formulations", nargs="*", default=None,
                         help="also time these XLA block formulations (no names: all)")
+    parser.add_argument("--components", action="store_true",
+                        help="also time Quest's stages alone: page scores, top-k, sparse decode")
     parser.add_argument("--out", "--out-dir", dest="out_dir", type=Path, default=Path(default_out("attention")))
     parser.add_argument("--name", default="bench_attention")
     args = parser.parse_args(argv)
@@ -343,6 +460,7 @@ def main(argv=None):
         "backend": pk.resolve_backend(None), "jax": jax.__version__, "platform": jax.default_backend(),
         "machine": platform.machine(), "cpus": os.cpu_count(), "page_size": args.page_size,
         "layout": args.layout, "repeats": args.repeats, "quick": args.quick, "load_start": cpu_load(),
+        "huge_pages": huge_pages(),
     }
     start = time.time()
     large_read = LargeRead(int(args.large_read_gib * 2**30))
