@@ -9,6 +9,7 @@ compared with a large read (jnp.sum over ~2 GiB) measured in the same run.
     python eval/bench_attention.py --quick    # smoke run
     python eval/bench_attention.py --formulations   # also compare the XLA path's block formulations
     python eval/bench_attention.py --components     # also time Quest's stages alone
+    python eval/bench_attention.py --row-groups 1   # also time dense decode in one loop (the default: per core)
 
 Writes bench_attention.{json,md,png} under --out (default ./kvjax-results/attention; committed: eval/results/attention).
 """
@@ -108,15 +109,20 @@ def time_rotating(fn, args_per_layer, repeats: int, warmup: int = 2):
 
 
 def time_interleaved(fns: dict, args_per_layer, repeats: int, warmup: int = 2):
-    """Median and min seconds per function, timed round-robin: repeat r calls every function once (on
-    layer r, rotating), so a change of load on the shared machine hits all of them alike."""
+    """Median and min seconds per function, timed round-robin: repeat r calls every function once, so a
+    change of load on the shared machine hits all of them alike. Every call takes the next layer's
+    arguments, so no call finds the pages of the call before it in the cache (a layer of Llama-2 at 4K is
+    32 MiB: when each repeat handed one layer to every function, the second function to read it found
+    part of it in the last-level cache)."""
     for fn in fns.values():
         for i in range(warmup):
             jax.block_until_ready(fn(*args_per_layer[i % len(args_per_layer)]))
     times = {name: [] for name in fns}
-    for r in range(repeats):
-        args = args_per_layer[(r + warmup) % len(args_per_layer)]
+    call = warmup
+    for _ in range(repeats):
         for name, fn in fns.items():
+            args = args_per_layer[call % len(args_per_layer)]
+            call += 1
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - start)
@@ -159,8 +165,10 @@ def bench_model_context(shape, context, budgets, args, large_read: LargeRead, fo
     layer_args = [(pool.k_pages, pool.v_pages, pool.kmin, pool.kmax, pool.lengths, qs[i], pool.page_tables[i])
                   for i in range(num_layers)]
 
-    def decode_dense(k_pages, v_pages, kmin, kmax, lengths, q, page_table, inputs=None, formulation=None):
-        return pk.paged_decode(q, k_pages, v_pages, page_table, lengths, formulation=formulation)
+    def decode_dense(k_pages, v_pages, kmin, kmax, lengths, q, page_table, inputs=None, formulation=None,
+                     row_groups=None):
+        return pk.paged_decode(q, k_pages, v_pages, page_table, lengths, formulation=formulation,
+                               row_groups=row_groups)
 
     def scores(kmin, kmax, lengths, q, page_table, per_kv_head):
         return pk.quest_page_scores(q, kmin, kmax, page_table, lengths, page_size=page_size, per_kv_head=per_kv_head)
@@ -195,6 +203,8 @@ def bench_model_context(shape, context, budgets, args, large_read: LargeRead, fo
                 name = ("quest", budget, mode, formulation)
                 fns[name] = jax.jit(functools.partial(quest, **config))
                 quest_configs[name] = config
+    for groups in args.row_groups or []:  # the default dense decode against fixed numbers of loops
+        fns[("dense_row_groups", groups)] = jax.jit(functools.partial(decode_dense, row_groups=groups))
     stages = {}  # Quest config -> its stages' names in `fns`
     if args.components:
         inputs = [{} for _ in layer_args]  # per layer: scores per selection mode, selections per config
@@ -235,6 +245,14 @@ def bench_model_context(shape, context, budgets, args, large_read: LargeRead, fo
         print(f"  {shape.name} {context:6d} dense{'' if formulation is None else ' ' + formulation:16s}"
               f" {median * 1e3:8.2f} ms {entry['gbps']:6.2f} GB/s ({entry['of_large_read']:.0%} of the large read,"
               f" {row_large_read['median_gbps']:.1f} GB/s)", flush=True)
+    for groups in args.row_groups or []:
+        median = medians[("dense_row_groups", groups)]
+        entry = {"median_s": median, "min_s": mins[("dense_row_groups", groups)], "bytes": dense_bytes,
+                 "gbps": dense_bytes / median / 1e9,
+                 "of_large_read": dense_bytes / median / 1e9 / row_large_read["median_gbps"]}
+        row.setdefault("dense_row_groups", {})[str(groups)] = entry
+        print(f"  {shape.name} {context:6d} dense, {groups} loop(s)    {median * 1e3:8.2f} ms {entry['gbps']:6.2f} GB/s"
+              f" ({entry['of_large_read']:.0%} of the large read)", flush=True)
     if not row["dense"]:
         timed = row["dense_formulations"]  # the default's row, or the first timed when it was not asked for
         row["dense"] = timed.get(pk_default_formulation(), next(iter(timed.values())))
@@ -342,6 +360,15 @@ def write_markdown(result, path: Path):
                 speedup = f"{quest[0]['speedup_vs_dense']:.1f}x" if quest else "-"
                 lines.append(f"| {row['model']} | {row['context'] // 1024}K | {name} | {dense['median_s'] * 1e3:.1f} |"
                              f" {dense['gbps']:.1f} | {quest_ms} | {speedup} |")
+    if any("dense_row_groups" in row for row in result["rows"]):
+        lines += ["", "## Dense decode by number of row loops (same run)", "",
+                  "The default (`decode_xla.default_row_groups`: one loop per core, at most 4, for calls that "
+                  "read 8 MiB of K or more) against fixed numbers of loops, each over its share of the rows.", "",
+                  "| model | context | loops | ms | GB/s (of large read) |", "| --- | ---: | --- | ---: | ---: |"]
+        for row in result["rows"]:
+            for groups, dense in [("default", row["dense"]), *row.get("dense_row_groups", {}).items()]:
+                lines.append(f"| {row['model']} | {row['context'] // 1024}K | {groups} | {dense['median_s'] * 1e3:.1f} |"
+                             f" {dense['gbps']:.1f} ({dense['of_large_read']:.0%}) |")
     if any("components" in q for row in result["rows"] for q in row["quest"]):
         lines += ["", "## Quest's stages, each timed alone (same run)", "",
                   "Page scores (kmin + kmax of every used page), the top-k of those scores, and the sparse "
@@ -442,6 +469,8 @@ def main(argv=None):
                         help="page placement: as kvjax's allocator after a chunked prefill, or random")
     parser.add_argument("--formulations", nargs="*", default=None,
                         help="also time these XLA block formulations (no names: all)")
+    parser.add_argument("--row-groups", nargs="*", type=int, default=None,
+                        help="also time dense decode with these fixed numbers of row loops (XLA path)")
     parser.add_argument("--components", action="store_true",
                         help="also time Quest's stages alone: page scores, top-k, sparse decode")
     parser.add_argument("--out", "--out-dir", dest="out_dir", type=Path, default=Path(default_out("attention")))

@@ -11,6 +11,9 @@ fastest on CPU (docs/kernels.md has the numbers):
   anyway, with its logits masked. Then the gathered values need no NaN mask, which cost ~30%.
 - blocks of a few MiB of K per step (16 pages per row for 32 rows); the loop stops after the last block
   that holds a page.
+- on large calls, the rows cut into groups, one loop per group and per core (`default_row_groups`): XLA:CPU
+  runs independent loops side by side: two loops of 4 MiB blocks read Llama-2's 8K-32K cache at 59-64% of
+  a large read where one loop read 50-55% (one loop with 8 MiB blocks was slower still).
 
 - each block's logits and weighted values as matrix products (einsum) over the block flattened to
   [rows, pages * page_size, D]: a matrix-vector product per row when a row serves one query head, a
@@ -21,6 +24,8 @@ fastest on CPU (docs/kernels.md has the numbers):
 """
 
 from __future__ import annotations
+
+import os
 
 import jax.numpy as jnp
 from jax import lax
@@ -38,6 +43,8 @@ DEFAULT_FORMULATION = "auto"
 # K bytes gathered per loop step over all rows, measured best on CPU: 4 MiB for rows of one query head
 # (mulsum and einsum alike), 2 MiB for grouped einsum rows; 8 MiB and more fell out of cache
 _BLOCK_BYTES = {"mulsum": 4 << 20, "mulsum_barrier": 4 << 20, "einsum": 4 << 20, "einsum_grouped": 2 << 20}
+# Below this much K per call one loop is used (small calls gain nothing from more loops and compile more)
+_ROW_GROUP_MIN_BYTES = 8 << 20
 
 
 def default_pages_per_block(num_rows: int, page_size: int, head_dim: int, formulation: str = "einsum",
@@ -46,6 +53,21 @@ def default_pages_per_block(num_rows: int, page_size: int, head_dim: int, formul
     page_bytes = page_size * head_dim * 4
     key = "einsum_grouped" if grouped and formulation == "einsum" else formulation
     return int(max(1, min(64, _BLOCK_BYTES[key] // max(1, num_rows * page_bytes))))
+
+
+def default_row_groups(num_rows: int, row_bytes: int) -> int:
+    """Loops the rows are cut into: one per core this process may run on (at most 4 and at most the
+    rows) when the call reads at least `_ROW_GROUP_MIN_BYTES` of K, else 1. XLA:CPU runs independent loops
+    side by side on its thread pool, and within one loop the page gathers run at the speed of one core's
+    misses; two loops on 2 cores read Llama-2's 32K cache ~20% faster (docs/kernels.md). `row_bytes`: K
+    bytes of one row's read list."""
+    if num_rows * row_bytes < _ROW_GROUP_MIN_BYTES:
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 4, num_rows))
 
 
 def _logits(q, k, formulation):
@@ -89,11 +111,13 @@ def attend_read_list_xla(
     formulation: str = DEFAULT_FORMULATION,
     k_scale=None,  # f32[N, ps] with int8 pages (pallas_kernels._quant), else None
     v_scale=None,
+    row_groups: int | None = None,
 ):
     """Online-softmax attention of each query head over its row's listed pages.
 
     Row (b, hs) of the read list serves query heads hs*Gq .. hs*Gq+Gq-1 (Gq = Hq // Hsel). int8 pages are
-    read as int8 and their per-slot scales applied to the logits and the probabilities.
+    read as int8 and their per-slot scales applied to the logits and the probabilities. `row_groups`: the
+    rows are cut into this many groups, each attended by its own loop (None: `default_row_groups`).
     Returns (out f32[B, Hq, D], row_max f32[B, Hq], row_sum f32[B, Hq]) over logits scaled by sm_scale.
     """
     if formulation not in FORMULATIONS:
@@ -110,6 +134,29 @@ def attend_read_list_xla(
     q_rows = (q.astype(jnp.float32) * sm_scale).reshape(rows, q_per_row, head_dim)
     if q_per_row == 1:
         q_rows = q_rows[:, 0]  # [R, D]: no size-1 axis (see the module docstring)
+    if row_groups is None:
+        row_groups = default_row_groups(rows, num_entries * page_size * head_dim * k_pages.dtype.itemsize)
+    if row_groups < 1:
+        raise ValueError(f"row_groups must be >= 1, got {row_groups}")
+    bounds = [rows * g // min(row_groups, rows) for g in range(min(row_groups, rows) + 1)]
+    parts = [
+        _attend_rows(q_rows[lo:hi], k_pages, v_pages, physical[lo:hi], counts[lo:hi], k_scale=k_scale,
+                     v_scale=v_scale, pages_per_block=pages_per_block, formulation=formulation)
+        for lo, hi in zip(bounds[:-1], bounds[1:])
+    ]
+    acc, row_max, row_sum = (jnp.concatenate(part, axis=0) if len(parts) > 1 else part[0] for part in zip(*parts))
+    return _finish(acc, row_max, row_sum, batch, num_q_heads, head_dim)
+
+
+def _attend_rows(q_rows, k_pages, v_pages, physical, counts, *, k_scale, v_scale, pages_per_block, formulation):
+    """The online softmax of `attend_read_list_xla` over rows of its read list, in one loop.
+
+    q_rows [R, D] (a row serves one query head) or [R, Gq, D], scaled; physical, counts int32[R, E].
+    Returns (acc f32[R, (Gq,) D] unnormalised, row_max f32[R(, Gq)], row_sum f32[R(, Gq)]).
+    """
+    rows, num_entries = physical.shape
+    page_size, head_dim = k_pages.shape[1:]
+    q_per_row = 1 if q_rows.ndim == 2 else q_rows.shape[1]
 
     def gather(pool, pages):
         gathered = page_values(pool.at[pages].get(mode="promise_in_bounds"))  # pages are clamped into the pool
@@ -147,7 +194,7 @@ def attend_read_list_xla(
     full_physical, full_counts = physical[:, 1:], counts[:, 1:]
     num_full = num_entries - 1
     if num_full == 0:
-        return _finish(acc, row_max, row_sum, batch, num_q_heads, head_dim)
+        return acc, row_max, row_sum
     if pages_per_block is None:
         pages_per_block = default_pages_per_block(rows, page_size, head_dim, formulation, grouped=q_per_row > 1)
     pages_per_block = max(1, min(pages_per_block, num_full))
@@ -182,7 +229,7 @@ def attend_read_list_xla(
         return new_max, row_sum, acc * rescale[..., None] + weighted
 
     row_max, row_sum, acc = lax.fori_loop(0, active_blocks, fold_block, (row_max, row_sum, acc))
-    return _finish(acc, row_max, row_sum, batch, num_q_heads, head_dim)
+    return acc, row_max, row_sum
 
 
 def _finish(acc, row_max, row_sum, batch, num_q_heads, head_dim):

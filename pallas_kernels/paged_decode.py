@@ -25,7 +25,7 @@ def _finish(q, out, row_max, row_sum, return_stats):
 
 def _attend_read_list(
     backend, q, k_pages, v_pages, physical, counts, *, sm_scale, interpret, pages_per_block, num_splits, formulation,
-    k_scale, v_scale,
+    k_scale, v_scale, row_groups=None,
 ):
     """Attention over a read list (physical pages and valid slots per entry) on the XLA or a Pallas GPU path."""
     if backend == "xla":
@@ -39,6 +39,7 @@ def _attend_read_list(
             pages_per_block=pages_per_block,
             k_scale=k_scale,
             v_scale=v_scale,
+            row_groups=row_groups,
             **({"formulation": formulation} if formulation else {}),
         )
     if backend == "pallas_mosaic_gpu":
@@ -77,6 +78,7 @@ def sparse_paged_decode(
     formulation=None,
     k_scale=None,
     v_scale=None,
+    row_groups=None,
 ):
     """Attention of one decode query per head over its selected pages plus its current page.
 
@@ -93,7 +95,8 @@ def sparse_paged_decode(
         "pallas_mosaic_gpu" (never chosen by default).
       interpret: for Pallas backends; None interprets off their own platform.
       pages_per_block, num_splits: tuning of the loop/grid (None = heuristic); formulation: the XLA
-        path's block computation (see `decode_xla.FORMULATIONS`).
+        path's block computation (see `decode_xla.FORMULATIONS`); row_groups: the XLA path's loops, each
+        over a group of rows (None = `decode_xla.default_row_groups`).
       k_scale, v_scale: f32[N, ps], the per-slot scales of int8 pages (`pallas_kernels._quant`); every
         backend dequantises as it reads. None for float pages.
 
@@ -139,7 +142,7 @@ def sparse_paged_decode(
         out, row_max, row_sum = _attend_read_list(
             backend, q, k_pages, v_pages, physical, counts, sm_scale=sm_scale, interpret=interpret,
             pages_per_block=pages_per_block, num_splits=num_splits, formulation=formulation, k_scale=k_scale,
-            v_scale=v_scale,
+            v_scale=v_scale, row_groups=row_groups,
         )
     return _finish(q, out, row_max, row_sum, return_stats)
 
@@ -168,6 +171,7 @@ def paged_decode(
     formulation=None,
     k_scale=None,
     v_scale=None,
+    row_groups=None,
 ):
     """Dense paged decode: attention of each query head over every valid slot of its kv head.
 
@@ -207,6 +211,6 @@ def paged_decode(
     out, row_max, row_sum = _attend_read_list(
         backend, q, k_pages, v_pages, physical, counts, sm_scale=sm_scale, interpret=interpret,
         pages_per_block=pages_per_block, num_splits=num_splits, formulation=formulation, k_scale=k_scale,
-        v_scale=v_scale,
+        v_scale=v_scale, row_groups=row_groups,
     )
     return _finish(q, out, row_max, row_sum, return_stats)

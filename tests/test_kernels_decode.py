@@ -273,3 +273,38 @@ def test_property_sparse_decode_matches_reference(backend, case):
     expected = jitted(pk.sparse_paged_decode_reference, return_stats=True)(*args)
     result = jitted(pk.sparse_paged_decode, backend=backend, return_stats=True)(*args)
     assert_decode_matches(result, expected, jnp.float32)
+
+
+@pytest.mark.parametrize("row_groups", [2, 3])
+@pytest.mark.parametrize("pages", ["float32", "int8"])
+def test_xla_row_groups_do_not_change_results(row_groups, pages):
+    """The XLA path cut into several loops over groups of rows (uneven with 3) equals the reference:
+    dense, sparse per query head (rows of one query head) and per kv head (grouped rows)."""
+    rng = np.random.default_rng([43, row_groups, pages == "int8"])
+    inputs = make_paged_inputs(rng, **DENSE_SHAPE)
+    q, k_pages, v_pages, _, _, page_table, lengths = inputs.as_jax()
+    scales = {}
+    if pages == "int8":
+        k_pages, v_pages, k_scale, v_scale = inputs.as_int8()
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+    for num_sel_heads in (8, 2):
+        selected = jnp.asarray(random_selection(rng, inputs, num_sel_heads, 5))
+        args = (q, k_pages, v_pages, page_table, selected, lengths)
+        expected = pk.sparse_paged_decode_reference(*args, return_stats=True, **scales)
+        result = jitted(pk.sparse_paged_decode, backend="xla", return_stats=True, row_groups=row_groups)(*args, **scales)
+        assert_decode_matches(result, expected, jnp.float32)
+    dense_args = (q, k_pages, v_pages, page_table, lengths)
+    expected = pk.paged_decode_reference(*dense_args, return_stats=True, **scales)
+    result = jitted(pk.paged_decode, backend="xla", return_stats=True, row_groups=row_groups)(*dense_args, **scales)
+    assert_decode_matches(result, expected, jnp.float32)
+
+
+def test_default_row_groups_split_only_large_calls(monkeypatch):
+    from kvjax.pallas_kernels import decode_xla
+
+    monkeypatch.setattr(decode_xla.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
+    assert decode_xla.default_row_groups(32, 1 << 20) == 4  # 32 MiB of K: one loop per core, at most 4
+    assert decode_xla.default_row_groups(3, 8 << 20) == 3  # at most one loop per row
+    assert decode_xla.default_row_groups(32, 1 << 10) == 1  # 32 KiB: one loop
+    monkeypatch.setattr(decode_xla.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert decode_xla.default_row_groups(32, 1 << 20) == 1
