@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -60,8 +61,9 @@ def default_row_groups(num_rows: int, row_bytes: int) -> int:
     rows) when the call reads at least `_ROW_GROUP_MIN_BYTES` of K, else 1. XLA:CPU runs independent loops
     side by side on its thread pool, and within one loop the page gathers run at the speed of one core's
     misses; two loops on 2 cores read Llama-2's 32K cache ~20% faster (docs/kernels.md). `row_bytes`: K
-    bytes of one row's read list."""
-    if num_rows * row_bytes < _ROW_GROUP_MIN_BYTES:
+    bytes of one row's read list. 1 off the CPU (a GPU or TPU runs this path only as a fallback, and its
+    loops would run one after another)."""
+    if num_rows * row_bytes < _ROW_GROUP_MIN_BYTES or jax.default_backend() != "cpu":
         return 1
     try:
         cores = len(os.sched_getaffinity(0))

@@ -308,3 +308,6 @@ def test_default_row_groups_split_only_large_calls(monkeypatch):
     assert decode_xla.default_row_groups(32, 1 << 10) == 1  # 32 KiB: one loop
     monkeypatch.setattr(decode_xla.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert decode_xla.default_row_groups(32, 1 << 20) == 1
+    monkeypatch.setattr(decode_xla.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(decode_xla.jax, "default_backend", lambda: "gpu")
+    assert decode_xla.default_row_groups(32, 1 << 20) == 1  # loops would run one after another there
