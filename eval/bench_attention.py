@@ -213,12 +213,13 @@ def bench_model_context(shape, context, budgets, args, large_read: LargeRead, fo
             if formulation is not None:
                 continue
             key = f"{budget}-{mode}"
-            score = jax.jit(functools.partial(stage_scores, per_kv_head=config["per_kv_head"]))
+            if ("scores", mode) not in fns:  # the scores do not depend on the budget
+                fns[("scores", mode)] = jax.jit(functools.partial(stage_scores, per_kv_head=config["per_kv_head"]))
+                for layer, layer_arg in enumerate(layer_args):
+                    inputs[layer][mode] = fns[("scores", mode)](*layer_arg)
             top_k = jax.jit(functools.partial(stage_top_k, mode=mode, top_k=config["top_k"]))
             for layer, layer_arg in enumerate(layer_args):
-                inputs[layer][mode] = score(*layer_arg)
                 inputs[layer][key] = top_k(*layer_arg, {mode: inputs[layer][mode]})
-            fns[("scores", mode)] = score
             fns[("top_k", budget, mode)] = top_k
             fns[("sparse", budget, mode)] = jax.jit(functools.partial(stage_sparse, key=key))
             stages[name] = (("scores", mode), ("top_k", budget, mode), ("sparse", budget, mode))
@@ -233,34 +234,36 @@ def bench_model_context(shape, context, budgets, args, large_read: LargeRead, fo
         "large_read": row_large_read, "load": cpu_load(), "dense": {}, "quest": [],
     }
     dense_bytes = kv_bytes_per_layer
+
+    def dense_entry(name):
+        median = medians[name]
+        return {"median_s": median, "min_s": mins[name], "bytes": dense_bytes, "gbps": dense_bytes / median / 1e9,
+                "of_large_read": dense_bytes / median / 1e9 / row_large_read["median_gbps"]}
+
     for formulation in variants:
-        median = medians[("dense", formulation)]
-        entry = {"median_s": median, "min_s": mins[("dense", formulation)], "bytes": dense_bytes,
-                 "gbps": dense_bytes / median / 1e9,
-                 "of_large_read": dense_bytes / median / 1e9 / row_large_read["median_gbps"]}
+        entry = dense_entry(("dense", formulation))
         if formulation is None:
             row["dense"] = entry
         else:
             row.setdefault("dense_formulations", {})[formulation] = entry
         print(f"  {shape.name} {context:6d} dense{'' if formulation is None else ' ' + formulation:16s}"
-              f" {median * 1e3:8.2f} ms {entry['gbps']:6.2f} GB/s ({entry['of_large_read']:.0%} of the large read,"
-              f" {row_large_read['median_gbps']:.1f} GB/s)", flush=True)
+              f" {entry['median_s'] * 1e3:8.2f} ms {entry['gbps']:6.2f} GB/s ({entry['of_large_read']:.0%} of the"
+              f" large read, {row_large_read['median_gbps']:.1f} GB/s)", flush=True)
     for groups in args.row_groups or []:
-        median = medians[("dense_row_groups", groups)]
-        entry = {"median_s": median, "min_s": mins[("dense_row_groups", groups)], "bytes": dense_bytes,
-                 "gbps": dense_bytes / median / 1e9,
-                 "of_large_read": dense_bytes / median / 1e9 / row_large_read["median_gbps"]}
+        entry = dense_entry(("dense_row_groups", groups))
         row.setdefault("dense_row_groups", {})[str(groups)] = entry
-        print(f"  {shape.name} {context:6d} dense, {groups} loop(s)    {median * 1e3:8.2f} ms {entry['gbps']:6.2f} GB/s"
+        print(f"  {shape.name} {context:6d} dense, {groups} loop(s)    {entry['median_s'] * 1e3:8.2f} ms"
+              f" {entry['gbps']:6.2f} GB/s"
               f" ({entry['of_large_read']:.0%} of the large read)", flush=True)
+    metadata_bytes = shape.num_kv_heads * max_pages * 2 * shape.head_dim * 4  # Quest's kmin + kmax, float32
     if not row["dense"]:
         timed = row["dense_formulations"]  # the default's row, or the first timed when it was not asked for
         row["dense"] = timed.get(pk_default_formulation(), next(iter(timed.values())))
     for name, config in quest_configs.items():
         _, budget, mode, formulation = name
         sel_rows = shape.num_kv_heads if config["per_kv_head"] else shape.num_q_heads
-        quest_bytes = (sel_rows * (config["top_k"] + 1) * 2 * page_bytes  # K+V of selected + current pages
-                       + shape.num_kv_heads * max_pages * 2 * shape.head_dim * 4)  # kmin + kmax
+        quest_bytes = sel_rows * (config["top_k"] + 1) * 2 * page_bytes + metadata_bytes  # K+V of selected +
+        # current pages, and kmin + kmax
         median = medians[name]
         dense_median = medians[("dense", formulation)]
         entry = {"budget": budget, "selection": mode, "formulation": formulation,
@@ -269,7 +272,6 @@ def bench_model_context(shape, context, budgets, args, large_read: LargeRead, fo
                  "byte_ratio_vs_dense": dense_bytes / quest_bytes}
         if name in stages:
             scores_name, top_k_name, sparse_name = stages[name]
-            metadata_bytes = shape.num_kv_heads * max_pages * 2 * shape.head_dim * 4
             entry["components"] = {
                 "scores_s": medians[scores_name],
                 "top_k_s": medians[top_k_name],

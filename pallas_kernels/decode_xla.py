@@ -140,7 +140,8 @@ def attend_read_list_xla(
         row_groups = default_row_groups(rows, num_entries * page_size * head_dim * k_pages.dtype.itemsize)
     if row_groups < 1:
         raise ValueError(f"row_groups must be >= 1, got {row_groups}")
-    bounds = [rows * g // min(row_groups, rows) for g in range(min(row_groups, rows) + 1)]
+    groups = min(row_groups, rows)
+    bounds = [rows * g // groups for g in range(groups + 1)]
     parts = [
         _attend_rows(q_rows[lo:hi], k_pages, v_pages, physical[lo:hi], counts[lo:hi], k_scale=k_scale,
                      v_scale=v_scale, pages_per_block=pages_per_block, formulation=formulation)
