@@ -375,7 +375,7 @@ def _decode(
     backend = backend or LOCAL_BACKEND
     B = tokens.shape[0]
     state, _, logits = backend.append_step(
-        model.params, state, None, backend.put(tokens[:, None]), backend.put(jnp.ones((B,), jnp.int32)),
+        model.decode_params, state, None, backend.put(tokens[:, None]), backend.put(jnp.ones((B,), jnp.int32)),
         backend.put(jnp.zeros((B, model.cfg.vocab_size), jnp.float32)), None, cfg=model.cfg,
         dtype=model.dtype, policy=policy,
     )
@@ -477,7 +477,7 @@ def feed_tokens(
         if return_nll:
             nll[:, j] = np.where(j < lengths, np.asarray(_token_nll(logits, jnp.asarray(tokens))), np.nan)
         state, _, logits = backend.append_step(
-            model.params, state, None, backend.put(tokens[:, None]), backend.put((j < lengths).astype(np.int32)),
+            model.decode_params, state, None, backend.put(tokens[:, None]), backend.put((j < lengths).astype(np.int32)),
             logits, None, cfg=model.cfg, dtype=model.dtype, policy=policy,
         )
     return (state, logits, nll) if return_nll else (state, logits)
@@ -517,7 +517,7 @@ def continue_rows(
     t = 1
     while t < max_new_tokens and not done.all() and not stopped:
         run = decode_steps(
-            model.params, state, logits, pending, key, done_device, eos_device, jnp.int32(max_new_tokens - t),
+            model.decode_params, state, logits, pending, key, done_device, eos_device, jnp.int32(max_new_tokens - t),
             step=backend.append_step, steps=steps_per_dispatch, cfg=model.cfg, dtype=model.dtype, policy=policy,
             temperature=temperature, top_k=top_k, top_p=top_p,
         )

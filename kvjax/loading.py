@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig
-from kvjax.models import CausalLM
+from kvjax.models import CausalLM, unstack_layers
 from kvjax.models.convert import CheckpointError, params_from_hf
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -31,10 +31,21 @@ class Model:
     tokenizer: Any = None
     dtype: Any = jnp.float32
     kv_dtype: Any = None
+    # (params, unstack_layers(params)): the decode form, made once per parameter tree
+    _decode: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.kv_dtype is not None:
             self.kv_dtype = resolve_kv_dtype(self.kv_dtype)
+
+    @property
+    def decode_params(self) -> Any:
+        """The parameters as decode steps take them: the layers taken apart (`unstack_layers`), so a step
+        reads each weight matrix in place instead of slicing it out of the stack on every token. Made on
+        first use and kept while `params` is the same tree; it holds a second copy of the layer weights."""
+        if self._decode is None or self._decode[0] is not self.params:
+            self._decode = (self.params, unstack_layers(self.params))
+        return self._decode[1]
 
     @property
     def cache_dtype(self) -> Any:

@@ -7,7 +7,9 @@ decode and label generation. The KV state threads through as an ordinary argumen
 
 The decoder layers' parameters are stacked: one `layers` subtree whose leaves have a leading `[L, ...]` axis
 (`layers/self_attn/q_proj/kernel` is `[L, E, Hq * D]`), and the forward runs `jax.lax.scan` over them, so a
-jitted step compiles one layer body whatever the depth. Per-layer differences a caller needs at trace time
+jitted step compiles one layer body whatever the depth. A decode step instead takes the layers apart once,
+outside the token loop (`unstack_layers`: `layers` a tuple of per-layer trees) and runs them unrolled, since
+a scan slices (on XLA:CPU, copies) every weight matrix out of the stack on every token. Per-layer differences a caller needs at trace time
 (a policy's dense layers, a read bound) are expressed as *segments*: runs of consecutive layers, each
 scanned with its own `attend` (`Segment`, `segments_by`). Inside a segment `attend` gets the layer index as
 a traced int32 scalar. Names below `layers` mirror Hugging Face's, so checkpoint conversion is a name map
@@ -80,6 +82,22 @@ def layer_params(params: Any, layer) -> Any:
     return jax.tree.map(lambda w: w[layer], params["layers"])
 
 
+def unstack_layers(params: Any) -> Any:
+    """The parameter tree with `layers` taken apart: a tuple of L per-layer trees (leaves without the `[L]`
+    axis) instead of stacked leaves. The forward runs such a tree unrolled, each layer reading its own
+    weights in place. Copies the layer weights once: call it outside `jit` (`Model.decode_params`)."""
+    layers = params["layers"]
+    if is_unstacked(layers):
+        return params
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda w: w[layer], layers) for layer in range(num_layers))}
+
+
+def is_unstacked(layers: Any) -> bool:
+    """Whether `params["layers"]` is the per-layer form of `unstack_layers` (a tuple of layer trees)."""
+    return isinstance(layers, (tuple, list))
+
+
 def first_layers(params: Any, num_layers: int) -> Any:
     """The parameter tree of the model's first `num_layers` layers (embeddings, final norm and head kept).
     Slices the stacked leaves: call it outside `jit`, once."""
@@ -114,30 +132,49 @@ def _dense(features: int, use_bias: bool, name: str, dtype) -> nn.Dense:
 
 
 class Attention(nn.Module):
+    """Projections around `attend`: `inputs` (q, k, v with RoPE) and `output` (o_proj); `__call__` is both
+    with `attend` between them."""
+
     cfg: ModelConfig
     dtype: Any
 
-    @nn.compact
-    def __call__(self, x, layer, positions, rope: tuple[np.ndarray, float], attend: AttendFn, carry):
+    def setup(self):
+        cfg = self.cfg
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        if cfg.fused_qkv:
+            self.qkv_proj = _dense(q_size + 2 * kv_size, cfg.attention_bias, None, self.dtype)
+        else:
+            self.q_proj = _dense(q_size, cfg.attention_bias, None, self.dtype)
+            self.k_proj = _dense(kv_size, cfg.attention_bias, None, self.dtype)
+            self.v_proj = _dense(kv_size, cfg.attention_bias, None, self.dtype)
+        self.o_proj = _dense(cfg.hidden_size, cfg.o_proj_bias, None, self.dtype)
+
+    def inputs(self, x, positions, rope: tuple[np.ndarray, float]) -> AttentionInputs:
+        """`x [B, T, E]` (normed) -> what `attend` takes."""
         cfg = self.cfg
         B, T, _ = x.shape
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         if cfg.fused_qkv:
-            qkv = _dense(q_size + 2 * kv_size, cfg.attention_bias, "qkv_proj", self.dtype)(x)
+            qkv = self.qkv_proj(x)
             q, k, v = qkv[..., :q_size], qkv[..., q_size : q_size + kv_size], qkv[..., q_size + kv_size :]
         else:
-            q = _dense(q_size, cfg.attention_bias, "q_proj", self.dtype)(x)
-            k = _dense(kv_size, cfg.attention_bias, "k_proj", self.dtype)(x)
-            v = _dense(kv_size, cfg.attention_bias, "v_proj", self.dtype)(x)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_pre = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
         k_pre = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         inv_freq, attention_factor = rope
         q = apply_rope(q_pre, positions, inv_freq, attention_factor)
         k = apply_rope(k_pre, positions, inv_freq, attention_factor)
-        out, carry = attend(layer, AttentionInputs(q, k, v, q_pre, k_pre, positions), carry)
-        out = out.reshape(B, T, q_size).astype(self.dtype)
-        return _dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj", self.dtype)(out), carry
+        return AttentionInputs(q, k, v, q_pre, k_pre, positions)
+
+    def output(self, out):
+        """Attention output `[B, T, Hq, D]` -> `[B, T, E]`."""
+        B, T = out.shape[:2]
+        return self.o_proj(out.reshape(B, T, self.cfg.num_heads * self.cfg.head_dim).astype(self.dtype))
+
+    def __call__(self, x, layer, positions, rope: tuple[np.ndarray, float], attend: AttendFn, carry):
+        out, carry = attend(layer, self.inputs(x, positions, rope), carry)
+        return self.output(out), carry
 
 
 class MLP(nn.Module):
@@ -161,18 +198,30 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One decoder layer, `(x [B, T, E], layer, positions, rope, attend, carry) -> (x, carry)`; `layer` is
-    only handed to `attend`. Applied with one layer's parameters (`layer_params`)."""
+    only handed to `attend`. Applied with one layer's parameters (`layer_params`). Its two halves around
+    `attend` are methods of their own (`attention_inputs`, `after_attention`), so a caller can run the
+    weights of a layer apart from the attention (`apply_layers`' per-layer form)."""
 
     cfg: ModelConfig
     dtype: Any
 
-    @nn.compact
+    def setup(self):
+        self.input_layernorm = RMSNorm(self.cfg.rms_norm_eps, self.dtype)
+        self.self_attn = Attention(self.cfg, self.dtype)
+        self.post_attention_layernorm = RMSNorm(self.cfg.rms_norm_eps, self.dtype)
+        self.mlp = MLP(self.cfg, self.dtype)
+
+    def attention_inputs(self, x, positions, rope) -> AttentionInputs:
+        return self.self_attn.inputs(self.input_layernorm(x), positions, rope)
+
+    def after_attention(self, x, out):
+        """The residual stream `x [B, T, E]` after the layer, given the attention output `out [B, T, Hq, D]`."""
+        x = x + self.self_attn.output(out)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
     def __call__(self, x, layer, positions, rope, attend: AttendFn, carry):
-        h = RMSNorm(self.cfg.rms_norm_eps, self.dtype, name="input_layernorm")(x)
-        h, carry = Attention(self.cfg, self.dtype, name="self_attn")(h, layer, positions, rope, attend, carry)
-        x = x + h
-        h = RMSNorm(self.cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x)
-        return x + MLP(self.cfg, self.dtype, name="mlp")(h), carry
+        out, carry = attend(layer, self.attention_inputs(x, positions, rope), carry)
+        return self.after_attention(x, out), carry
 
 
 class CausalLM(nn.Module):
@@ -190,7 +239,10 @@ class CausalLM(nn.Module):
         cfg = self.cfg
         # Attribute names become parameter names: embed_tokens, layers (stacked), norm, lm_head.
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
-        self.layers = self.param("layers", self._init_layers)
+        if self.has_variable("params", "layers") and is_unstacked(self.get_variable("params", "layers")):
+            self.layers = tuple(self.get_variable("params", "layers"))  # `unstack_layers`' per-layer form
+        else:
+            self.layers = self.param("layers", self._init_layers)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
@@ -233,17 +285,24 @@ class CausalLM(nn.Module):
 
 
 def apply_layers(layers, cfg: ModelConfig, dtype, x, positions, rope, attend: AttendFn | Sequence[Segment], carry):
-    """The decoder layers over hidden states `x [B, T, E]`: `jax.lax.scan` over each segment's layers, with
-    `layers` the stacked parameters (`params["layers"]`, leaves `[L, ...]`). Returns `(x, carry)`.
+    """The decoder layers over hidden states `x [B, T, E]`. Returns `(x, carry)`.
 
-    The scan runs over layer indices and slices each layer's weights inside the body (a dynamic slice per
-    layer, as scanning over the weights themselves would do), so no segment copies the stack. A segment of
-    one layer runs without a scan and hands `attend` the layer as a Python int (see `unrolled`)."""
+    With `layers` the stacked parameters (`params["layers"]`, leaves `[L, ...]`), `jax.lax.scan` over each
+    segment's layers, slicing each layer's weights inside the body (a dynamic slice per layer, as scanning
+    over the weights themselves would do; XLA:CPU copies each slice). A segment of one layer runs without a
+    scan and hands `attend` the layer as a Python int (see `unrolled`). With `layers` per-layer trees
+    (`unstack_layers`), every layer runs unrolled on its own weights, `attend` getting a Python int."""
     segments = (Segment(0, cfg.num_layers, attend),) if callable(attend) else tuple(attend)
     covered = [layer for seg in segments for layer in range(seg.start, seg.stop)]
     if covered != list(range(cfg.num_layers)):
         raise ValueError(f"segments must cover layers 0..{cfg.num_layers - 1} in order, got {[s[:2] for s in segments]}")
     module = DecoderLayer(cfg, dtype, parent=None)  # unbound: applied with each layer's parameters
+    if is_unstacked(layers):
+        if len(layers) != cfg.num_layers:
+            raise ValueError(f"got parameters for {len(layers)} layers, the config has {cfg.num_layers}")
+        for seg in segments:
+            x, carry = _per_layer_segment(module, layers, seg, x, positions, rope, carry)
+        return x, carry
     for seg in segments:
 
         def body(xc, layer, seg=seg):
@@ -255,4 +314,31 @@ def apply_layers(layers, cfg: ModelConfig, dtype, x, positions, rope, attend: At
             (x, carry), _ = body((x, carry), seg.start)
         else:
             (x, carry), _ = jax.lax.scan(body, (x, carry), jnp.arange(seg.start, seg.stop, dtype=jnp.int32))
+    return x, carry
+
+
+def _per_layer_segment(module: DecoderLayer, layers: Sequence[Any], seg: Segment, x, positions, rope, carry):
+    """One segment over per-layer parameter trees, no weight sliced or copied: a scan over the segment's
+    layers whose body runs `attend` once (the traced layer index) and picks the layer's weights with a
+    `lax.switch` on either side of it (each branch reads its own layer's arrays in place). The attention,
+    the large part of a step's program, is compiled once per segment as with stacked parameters; only the
+    projections and the MLP are compiled per layer."""
+    if seg.stop - seg.start == 1:
+        return module.apply({"params": layers[seg.start]}, x, seg.start, positions, rope, seg.attend, carry)
+    params = layers[seg.start : seg.stop]
+
+    def before(p):
+        return lambda h: module.apply({"params": p}, h, positions, rope, method=DecoderLayer.attention_inputs)
+
+    def after(p):
+        return lambda h, out: module.apply({"params": p}, h, out, method=DecoderLayer.after_attention)
+
+    def body(xc, layer):
+        h, c = xc
+        index = layer - seg.start
+        inputs = jax.lax.switch(index, [before(p) for p in params], h)
+        out, c = seg.attend(layer, inputs, c)
+        return (jax.lax.switch(index, [after(p) for p in params], h, out), c), None
+
+    (x, carry), _ = jax.lax.scan(body, (x, carry), jnp.arange(seg.start, seg.stop, dtype=jnp.int32))
     return x, carry
