@@ -2,7 +2,7 @@
 paged decode. Each kernel has a pure-jnp reference (the oracle), a tuned XLA path (the CPU default), a
 Pallas Mosaic TPU kernel and a Pallas GPU kernel; `backend=` overrides the choice by platform."""
 
-from ._backend import resolve_backend
+from ._backend import resolve_backend, target_platform
 from ._quant import (
     BFLOAT16_BITS,
     bfloat16_bits,
@@ -21,6 +21,7 @@ from .quest_scores import (
 )
 
 __all__ = [
+    "target_platform",
     "BFLOAT16_BITS",
     "bfloat16_bits",
     "dequantize",

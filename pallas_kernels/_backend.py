@@ -1,14 +1,19 @@
 """Backend choice for the kernels, and the few JAX-version differences they depend on.
 
-`backend=None` picks by `jax.default_backend()`: TPU -> "pallas_tpu", GPU -> "pallas_gpu", anything else
-(CPU) -> "xla". "reference" is the pure-jnp oracle. "pallas_mosaic_gpu" (the Mosaic GPU / TMA kernel,
-never run on a GPU) is only used when asked for by name. A Pallas backend away from its own platform runs in
-interpret mode; `interpret=None` chooses that automatically.
+`backend=None` picks by the platform (`jax.default_backend()`, or the one `target_platform` names): TPU ->
+"pallas_tpu", GPU -> "pallas_gpu", anything else (CPU) -> "xla". "reference" is the pure-jnp oracle.
+"pallas_mosaic_gpu" (the Mosaic GPU / TMA kernel, never run on a GPU) is only used when asked for by name. A
+Pallas backend away from its own platform runs in interpret mode; `interpret=None` chooses that automatically.
+A default Pallas kernel that does not compile on the device falls back to the XLA path with one warning
+(`compiled_or_xla`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
+from typing import Any, Callable
 
 import jax
 
@@ -20,10 +25,33 @@ _NATIVE_PLATFORMS = {
 }
 
 
+_TARGET: list[tuple[str, bool]] = []  # (platform, check_compiles) of the open `target_platform` blocks
+
+
+@contextlib.contextmanager
+def target_platform(platform: str, *, check_compiles: bool = True):
+    """Pick default kernels, natively compiled, as on `platform` ("cpu", "gpu"/"cuda" or "tpu") inside the
+    block: how a whole step is exported for a GPU or TPU from this machine (`jax.export` with
+    `platforms=[...]`; then `check_compiles=False`, since nothing can compile for that platform here).
+    JAX's jit caches do not know the target, so they are cleared on entering and leaving the block."""
+    _TARGET.append(("gpu" if platform in ("cuda", "rocm") else platform, check_compiles))
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _TARGET.pop()
+        jax.clear_caches()
+
+
+def default_platform() -> str:
+    """The platform default kernels are chosen for: `target_platform`'s, else `jax.default_backend()`."""
+    return _TARGET[-1][0] if _TARGET else jax.default_backend()
+
+
 def resolve_backend(backend: str | None) -> str:
-    """The backend name to run: `backend` itself, or the default for `jax.default_backend()`."""
+    """The backend name to run: `backend` itself, or the default for the platform (`default_platform`)."""
     if backend is None:
-        platform = jax.default_backend()
+        platform = default_platform()
         if platform == "tpu":
             return "pallas_tpu"
         if platform in ("gpu", "cuda", "rocm"):
@@ -44,7 +72,7 @@ def resolve_interpret(backend: str, interpret) -> bool | object:
     natively. Anything else (e.g. an `InterpretParams`) is passed through to `pallas_call`.
     """
     if interpret is None:
-        interpret = jax.default_backend() not in _NATIVE_PLATFORMS[backend]
+        interpret = default_platform() not in _NATIVE_PLATFORMS[backend]
     if interpret is True and backend == "pallas_tpu":
         return tpu_interpret_params()
     if interpret is True and backend == "pallas_mosaic_gpu":
@@ -55,6 +83,45 @@ def resolve_interpret(backend: str, interpret) -> bool | object:
             raise NotImplementedError("backend 'pallas_mosaic_gpu': this JAX has no Mosaic GPU interpret mode")
         return params
     return interpret
+
+
+_COMPILED: dict[Any, Exception | None] = {}  # (kernel, backend, abstract inputs) -> the compile error or None
+
+
+def compiled_or_xla(kernel: str, requested: str | None, interpret, build: Callable[[str], Callable], args) -> str:
+    """The backend a kernel call runs: `requested` when given, else the platform's default, unless that is
+    a natively compiled Pallas kernel that fails to compile for these inputs; then "xla", with a one-line
+    warning naming the kernel and the error (once per kernel and shapes). `build(backend)` is the kernel as
+    a function of `args` (arrays, tracers or None); the check compiles it alone, once per shapes."""
+    backend = resolve_backend(requested)
+    checking = _TARGET[-1][1] if _TARGET else True
+    if requested is not None or backend not in _NATIVE_PLATFORMS or not checking:
+        return backend
+    if resolve_interpret(backend, interpret) is not False:
+        return backend
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    key = (kernel, backend, str(abstract))
+    if key not in _COMPILED:
+        try:
+            jax.jit(build(backend)).lower(*abstract).compile()
+            _COMPILED[key] = None
+        except Exception as error:  # any failure to lower or compile: the XLA path computes the same
+            _COMPILED[key] = error
+            reason = (str(error).strip().splitlines() or [""])[0][:200]
+            warnings.warn(f"kvjax: kernel {kernel} ({backend}) failed to compile ({type(error).__name__}: {reason}); "
+                          "using the XLA path", RuntimeWarning, stacklevel=2)
+    return backend if _COMPILED[key] is None else "xla"
+
+
+def default_backend_for(kernel_fn: Callable, arrays: dict, options: dict, interpret) -> str:
+    """`compiled_or_xla` for a kernel entry point called with `backend=None`: `arrays` are its array
+    arguments by name (None allowed), `options` its other keyword arguments."""
+    names = tuple(arrays)
+
+    def build(backend):
+        return lambda *values: kernel_fn(**dict(zip(names, values)), **options, backend=backend, interpret=interpret)
+
+    return compiled_or_xla(kernel_fn.__name__, None, interpret, build, tuple(arrays.values()))
 
 
 @functools.cache

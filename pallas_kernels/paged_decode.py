@@ -9,7 +9,7 @@ only, "pallas_mosaic_gpu" (Pallas Mosaic GPU kernel gathering pages by TMA; neve
 from __future__ import annotations
 
 from . import _pages
-from ._backend import resolve_backend, resolve_interpret
+from ._backend import default_backend_for, resolve_backend, resolve_interpret
 from ._quant import page_values
 from ._validation import check_decode_inputs, resolve_sm_scale
 from .decode_reference import paged_decode_reference, sparse_paged_decode_reference
@@ -106,6 +106,15 @@ def sparse_paged_decode(
     Returns:
       out [B, Hq, D] in q's dtype (and row max, row sum f32[B, Hq] with `return_stats`).
     """
+    if backend is None:
+        backend = default_backend_for(
+            sparse_paged_decode,
+            dict(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, selected=selected, lengths=lengths,
+                 k_scale=k_scale, v_scale=v_scale),
+            dict(sm_scale=sm_scale, return_stats=return_stats, pages_per_block=pages_per_block, num_splits=num_splits,
+                 formulation=formulation, row_groups=row_groups),
+            interpret,
+        )
     backend = resolve_backend(backend)
     k_pages, v_pages = _pool_for(backend, k_pages, v_pages)
     if backend == "reference":
@@ -177,6 +186,15 @@ def paged_decode(
 
     Equal to `sparse_paged_decode` with every page selected. Arguments and results as there.
     """
+    if backend is None:
+        backend = default_backend_for(
+            paged_decode,
+            dict(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, lengths=lengths, k_scale=k_scale,
+                 v_scale=v_scale),
+            dict(sm_scale=sm_scale, return_stats=return_stats, pages_per_block=pages_per_block, num_splits=num_splits,
+                 formulation=formulation, row_groups=row_groups),
+            interpret,
+        )
     backend = resolve_backend(backend)
     k_pages, v_pages = _pool_for(backend, k_pages, v_pages)
     if backend == "reference":

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _pages
-from ._backend import resolve_backend, resolve_interpret
+from ._backend import default_backend_for, resolve_backend, resolve_interpret
 from ._validation import check_page_size, check_score_inputs
 
 __all__ = ["quest_page_scores", "quest_page_scores_reference", "select_top_pages", "select_top_pages_reference"]
@@ -104,6 +104,11 @@ def quest_page_scores(
     `backend`/`interpret` as in `sparse_paged_decode`; "pallas_mosaic_gpu" scores with the XLA form (no Mosaic
     GPU scorer yet).
     """
+    if backend is None:
+        backend = default_backend_for(
+            quest_page_scores, dict(q=q, kmin=kmin, kmax=kmax, page_table=page_table, lengths=lengths),
+            dict(page_size=page_size, per_kv_head=per_kv_head), interpret,
+        )
     backend = resolve_backend(backend)
     if backend == "reference":
         return quest_page_scores_reference(
