@@ -6,7 +6,9 @@ policies. For each (depth, policy) one `generate` of a 512-token prompt and 4 ne
 jit cache for its programs; JAX's compile events (trace, lowering to MLIR, XLA compile, by jitted function)
 say how long each program took to build: the prefill step (the first `append_step` program), the
 compression step, the decode loop (`decode_steps`, which holds the decode step), and everything else. A second,
-identical `generate` then runs from the cache (its wall time is the run without compiles).
+identical `generate` then runs from the cache (its wall time is the run without compiles). Last, two fresh
+processes time a first `generate` of the deepest model with JAX's persistent compilation cache
+(`kvjax.compilation_cache`) in an empty folder: the first compiles (cold), the second reads the cache (warm).
 
     python -m kvjax.eval.bench_compile            # writes ./kvjax-results/compile/bench_compile.{json,md,png}
     python -m kvjax.eval.bench_compile --quick    # 2 and 6 layers, two policies, a short prompt
@@ -114,6 +116,41 @@ def bench(layers: int, policies, prompt_len: int, new_tokens: int, log: ProgramL
     return rows
 
 
+_CACHE_RUN = """
+import json, sys, time
+from kvjax.compilation_cache import enable_compilation_cache
+enable_compilation_cache()
+import numpy as np
+import kvjax
+from kvjax.eval.bench_compile import smollm2_config
+layers, prompt_len, new_tokens = (int(x) for x in sys.argv[1:4])
+cfg = smollm2_config(layers)
+model = kvjax.Model(cfg, kvjax.init_params(cfg, seed=0))
+prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, prompt_len)).astype(np.int32)
+start = time.perf_counter()
+kvjax.generate(model, prompt, new_tokens)
+print(json.dumps({"first_generate_s": time.perf_counter() - start}))
+"""
+
+
+def persistent_cache_runs(layers: int, prompt_len: int, new_tokens: int) -> dict:
+    """A first full-cache `generate` in two fresh processes sharing an empty persistent cache folder: the
+    first compiles every program (cold), the second reads them from the cache (warm)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "KVJAX_COMPILATION_CACHE": cache}
+        argv = [sys.executable, "-c", _CACHE_RUN, str(layers), str(prompt_len), str(new_tokens)]
+        runs = [json.loads(subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout.strip()
+                           .splitlines()[-1]) for _ in range(2)]
+    return {"layers": layers, "cold_first_generate_s": runs[0]["first_generate_s"],
+            "warm_first_generate_s": runs[1]["first_generate_s"]}
+
+
 def plot(payload: dict, path: str) -> None:
     import matplotlib
 
@@ -161,6 +198,7 @@ def main(argv=None):
         results += bench(layers, args.policies, args.prompt, args.new_tokens, log)
 
     shallow, deep = min(args.layers), max(args.layers)
+    cache_runs = persistent_cache_runs(deep, args.prompt, args.new_tokens)
     ratios = {}
     for name in args.policies:
         a = next(r for r in results if r["layers"] == shallow and r["policy"] == name)
@@ -174,6 +212,7 @@ def main(argv=None):
                    "prompt": args.prompt, "new_tokens": args.new_tokens, "dtype": "float32", "batch": 1},
         "results": results,
         "deep_over_shallow": ratios,
+        "persistent_cache": cache_runs,
     }
     headers = ["layers", "policy", "prefill s", "compress s", "decode s", "prefill+compress+decode s", "other s",
                "first generate s", "second generate s"]
@@ -184,7 +223,9 @@ def main(argv=None):
     note = (f"\nCompile seconds (trace + lowering + XLA compile) of the programs one first `generate` builds: "
             f"{args.prompt}-token prompt, {args.new_tokens} new tokens, random weights of SmolLM2-135M's width, "
             f"float32, {payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores, load "
-            f"{load_before} before the run. {deep} over {shallow} layers: {ratio_line}.\n")
+            f"{load_before} before the run. {deep} over {shallow} layers: {ratio_line}. A first full-cache generate of "
+            f"{deep} layers in a fresh process: {cache_runs['cold_first_generate_s']:.1f} s with an empty persistent "
+            f"cache, {cache_runs['warm_first_generate_s']:.1f} s reading it (model building excluded).\n")
     paths = write_outputs(args.out, "bench_compile", payload, table + note)
     plot(payload, paths["json"].replace(".json", ".png"))
     print(table + note)

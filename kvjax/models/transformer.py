@@ -89,8 +89,14 @@ def unstack_layers(params: Any) -> Any:
     layers = params["layers"]
     if is_unstacked(layers):
         return params
+    return {**params, "layers": _split_layers(layers)}
+
+
+@jax.jit
+def _split_layers(layers):
+    """The stacked layer tree as a tuple of per-layer trees, in one program (not one dispatch per slice)."""
     num_layers = jax.tree.leaves(layers)[0].shape[0]
-    return {**params, "layers": tuple(jax.tree.map(lambda w: w[layer], layers) for layer in range(num_layers))}
+    return tuple(jax.tree.map(lambda w: w[layer], layers) for layer in range(num_layers))
 
 
 def is_unstacked(layers: Any) -> bool:
@@ -326,19 +332,17 @@ def _per_layer_segment(module: DecoderLayer, layers: Sequence[Any], seg: Segment
     if seg.stop - seg.start == 1:
         return module.apply({"params": layers[seg.start]}, x, seg.start, positions, rope, seg.attend, carry)
     params = layers[seg.start : seg.stop]
-
-    def before(p):
-        return lambda h: module.apply({"params": p}, h, positions, rope, method=DecoderLayer.attention_inputs)
-
-    def after(p):
-        return lambda h, out: module.apply({"params": p}, h, out, method=DecoderLayer.after_attention)
+    # one jitted half per side, called by every branch: traced once, not once per layer (XLA inlines it)
+    before = jax.jit(lambda p, h, positions: module.apply(
+        {"params": p}, h, positions, rope, method=DecoderLayer.attention_inputs))
+    after = jax.jit(lambda p, h, out: module.apply({"params": p}, h, out, method=DecoderLayer.after_attention))
 
     def body(xc, layer):
         h, c = xc
         index = layer - seg.start
-        inputs = jax.lax.switch(index, [before(p) for p in params], h)
+        inputs = jax.lax.switch(index, [lambda h, p=p: before(p, h, positions) for p in params], h)
         out, c = seg.attend(layer, inputs, c)
-        return (jax.lax.switch(index, [after(p) for p in params], h, out), c), None
+        return (jax.lax.switch(index, [lambda h, out, p=p: after(p, h, out) for p in params], h, out), c), None
 
     (x, carry), _ = jax.lax.scan(body, (x, carry), jnp.arange(seg.start, seg.stop, dtype=jnp.int32))
     return x, carry
