@@ -1,19 +1,22 @@
-"""Decode speed of kvjax full-cache generation against `transformers`, same random weights, same CPU.
+"""Decode speed across model widths: kvjax against `transformers`, same weights, same CPU, one run.
 
-Llama-3.2-1B shape (hidden 2048, 32 query / 8 kv heads of 64, MLP 8192, vocab 128256, tied embeddings),
-float32, with the layer count cut (default 4 of 16) to keep the run short. For each context (1K, 4K, 8K):
-prefill time (compile time reported apart, from JAX's compile events), decode tokens/s over N steps after
-a warm-up step, and achieved bytes/s (weights plus the KV cache read per token) against a large read of
-several times the 480 MiB last-level cache measured in the same run.
+Three widths, each at batch 1 and batch 8: SmolLM2-135M-Instruct (its real weights, when `kvjax fetch
+smollm2-135m` has run), a 110M Llama shape (hidden 1024, 8 layers, 16 query / 4 kv heads of 64, MLP 2816,
+vocab 32000) and Llama-3.2-1B's width (hidden 2048, 32 / 8 heads of 64, MLP 8192, vocab 128256, tied
+embeddings; 8 of its 16 layers by default), random weights for the last two. For each (width, batch,
+context): prefill seconds (compile apart), decode tokens/s (rows x steps per second, median step of N after
+a warm-up), the bytes a step reads (weights plus the KV cache) as GB/s and as a share of a large read, and
+the FLOPs a step does as a share of a large float32 matmul, all measured in the same run.
 
-    python -m eval.bench_decode              # writes ./kvjax-results/decode/bench_decode.{json,md,png}
-    python -m eval.bench_decode --quick      # a small smoke run
+    kvjax bench decode --out eval/results/decode      # every width, batch 1 at 1K/4K/8K, batch 8 at 1K/2K
+    kvjax bench decode --quick                        # a small smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import statistics
 import time
 
@@ -21,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._report import default_out, machine_info, markdown_table, write_outputs
+from ._report import cpu_load, default_out, machine_info, markdown_table, write_outputs
 
 COMPILE_EVENTS = ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_compile_duration")
 _compile_seconds = collections.Counter()
@@ -35,20 +38,43 @@ def _on_event(name, duration, **kwargs):
 jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
-def llama_1b_config(layers: int, vocab: int):
-    from transformers import LlamaConfig
+@dataclasses.dataclass(frozen=True)
+class Width:
+    """A model width to time: a transformers config (random weights) or a fetched real model."""
 
-    return LlamaConfig(
-        vocab_size=vocab, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
+    name: str
+    hidden: int = 0
+    layers: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    intermediate: int = 0
+    vocab: int = 0
+    real: str | None = None  # a `kvjax fetch` name: its GGUF in both libraries
+
+    def hf_config(self):
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+            head_dim=self.hidden // self.heads, max_position_embeddings=131072, rope_theta=500000.0,
+            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        )
+
+
+def widths(layers_1b: int, quick: bool) -> dict[str, Width]:
+    if quick:
+        return {"tiny-gqa": Width("tiny-gqa", 256, 2, 8, 2, 512, 4096)}
+    return {
+        "smollm2-135m": Width("smollm2-135m", real="smollm2-135m"),
+        "110m": Width("110m", 1024, 8, 16, 4, 2816, 32000),
+        "llama-3.2-1b-width": Width("llama-3.2-1b-width", 2048, layers_1b, 32, 8, 8192, 128256),
+    }
 
 
 def large_read_gbps(gib: float, repeats: int = 5) -> dict[str, float]:
-    """Read bandwidth of a `gib`-GiB float32 array, with jax (sum) and torch (sum), median of `repeats`."""
+    """Read bandwidth of a `gib`-GiB float32 array, with jax (sum) and torch (sum), median of `repeats`;
+    `gbps` is the faster of the two, the bound a decode step is held to."""
     import torch
 
     n = int(gib * 2**30 // 4)
@@ -68,7 +94,33 @@ def large_read_gbps(gib: float, repeats: int = 5) -> dict[str, float]:
         t = time.perf_counter()
         y.sum()
         times.append(time.perf_counter() - t)
-    return {"bytes": n * 4, "jax_sum_gbps": jax_gbps, "torch_sum_gbps": n * 4 / statistics.median(times) / 1e9}
+    torch_gbps = n * 4 / statistics.median(times) / 1e9
+    return {"bytes": n * 4, "jax_sum_gbps": jax_gbps, "torch_sum_gbps": torch_gbps, "gbps": max(jax_gbps, torch_gbps)}
+
+
+def matmul_gflops(size: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """FLOP rate of a large float32 matmul (`size` square, jax and torch, median of `repeats`); `gflops` is the
+    faster, the compute bound a batched decode step is held to."""
+    import torch
+
+    a = jnp.ones((size, size), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    jax.block_until_ready(matmul(a, a))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(matmul(a, a))
+        times.append(time.perf_counter() - t)
+    jax_rate = 2 * size**3 / statistics.median(times) / 1e9
+    b = torch.ones(size, size)
+    b @ b
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        b @ b
+        times.append(time.perf_counter() - t)
+    torch_rate = 2 * size**3 / statistics.median(times) / 1e9
+    return {"size": size, "jax_gflops": jax_rate, "torch_gflops": torch_rate, "gflops": max(jax_rate, torch_rate)}
 
 
 def bench_kvjax(model, prompt: np.ndarray, steps: int) -> dict:
@@ -94,10 +146,11 @@ def bench_kvjax(model, prompt: np.ndarray, steps: int) -> dict:
         logits, state = kvjax.decode_step(model, state, token)
         jax.block_until_ready(logits)
         times.append(time.perf_counter() - t)
+    step = statistics.median(times)
     return {
         "prefill_s": prefill_wall - prefill_compile, "prefill_compile_s": prefill_compile,
         "decode_compile_s": decode_compile, "first_decode_step_s": first_step,
-        "decode_step_s": statistics.median(times), "decode_tokens_per_s": 1.0 / statistics.median(times),
+        "decode_step_s": step, "decode_tokens_per_s": prompt.shape[0] / step,
     }
 
 
@@ -120,106 +173,175 @@ def bench_transformers(hf, prompt: np.ndarray, steps: int) -> dict:
             t = time.perf_counter()
             out = hf(token, past_key_values=out.past_key_values, use_cache=True)
             times.append(time.perf_counter() - t)
-    return {"prefill_s": prefill, "decode_step_s": statistics.median(times), "decode_tokens_per_s": 1.0 / statistics.median(times)}
+    step = statistics.median(times)
+    return {"prefill_s": prefill, "decode_step_s": step, "decode_tokens_per_s": prompt.shape[0] / step}
 
 
-def plot(payload: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = payload["results"]
-    contexts = [r["context"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(contexts, [r["kvjax"]["decode_tokens_per_s"] for r in rows], "o-", label="kvjax (full cache)")
-    ax1.plot(contexts, [r["transformers"]["decode_tokens_per_s"] for r in rows], "s-", label="transformers")
-    ax1.set_xscale("log", base=2)
-    ax1.set_xlabel("context (tokens)")
-    ax1.set_ylabel("decode tokens/s")
-    ax1.set_ylim(bottom=0)
-    ax1.legend()
-    ax1.set_title(f"decode, {payload['config']['layers']}-layer Llama-3.2-1B shape, f32")
-    ax2.plot(contexts, [r["kvjax"]["achieved_gbps"] for r in rows], "o-", label="kvjax")
-    ax2.plot(contexts, [r["transformers"]["achieved_gbps"] for r in rows], "s-", label="transformers")
-    ax2.axhline(payload["large_read"]["jax_sum_gbps"], color="gray", ls="--", label="large read (jax sum)")
-    ax2.set_xscale("log", base=2)
-    ax2.set_xlabel("context (tokens)")
-    ax2.set_ylabel("GB/s (weights + KV read per token)")
-    ax2.set_ylim(bottom=0)
-    ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def step_cost(cfg, batch: int, context: int) -> dict[str, float]:
+    """What one float32 decode step of `batch` rows at `context` tokens reads and computes: the weights once
+    (layers, norms, the logits matrix; the embedding rows gathered are negligible), the KV cache of every row,
+    and the FLOPs of the matmuls (2 per weight per row) and of attention (4 per cached key per query head)."""
+    E, L = cfg.hidden_size, cfg.num_layers
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer_weights = E * (q + 2 * kv) + q * E + 3 * E * cfg.intermediate_size + 2 * E
+    weights = L * layer_weights + E * cfg.vocab_size + E
+    kv_bytes = batch * L * 2 * kv * 4 * context
+    flops = 2 * batch * (L * layer_weights + E * cfg.vocab_size) + 4 * batch * L * q * context
+    return {"bytes": weights * 4 + kv_bytes, "weight_bytes": weights * 4, "kv_bytes": kv_bytes, "flops": flops}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (the real model has 16)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
-    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per context")
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--read-gib", type=float, default=2.0, help="size of the large read used as the bound")
-    parser.add_argument("--out", default=default_out("decode"))
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (2 layers, small vocab, short contexts)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.layers, args.contexts, args.steps, args.vocab, args.read_gib = 2, [128, 256], 3, 4096, 0.25
-
-    try:
-        import torch
-    except ImportError:
-        raise SystemExit("kvjax bench decode compares against transformers on torch, which is not installed: "
-                         "pip install 'kvjax[dev]' (torch's CPU wheel) first") from None
-    from transformers import LlamaForCausalLM
-    from tqdm import tqdm
+def build(width: Width, threads: int):
+    """(kvjax model, transformers model) with the same float32 weights."""
+    import torch
 
     import kvjax
     from kvjax.loading import param_shapes
     from kvjax.models.convert import params_from_hf
 
+    if width.real:
+        from kvjax.hub import resolve_model
+
+        from .bench_real import load_transformers
+
+        path = resolve_model(width.real)
+        return kvjax.load_model(path), load_transformers(path, "float32", threads)
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
-    hf_config = llama_1b_config(args.layers, args.vocab)
+    hf_config = width.hf_config()
     hf = LlamaForCausalLM(hf_config).eval()
     cfg = kvjax.ModelConfig.from_hf_dict(hf_config.to_dict())
     tensors = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     model = kvjax.Model(cfg, params_from_hf(cfg, tensors, param_shapes(cfg, jnp.float32), jnp.float32))
-    del tensors
-    weight_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree_util.tree_leaves(model.params))
+    return model, hf
+
+
+def plot(payload: dict, path: str) -> None:
+    """Per width: decode tokens/s against context (kvjax and transformers, each batch), and the step's
+    bytes as a share of the large read."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["width"] for r in payload["results"]))
+    fig, axes = plt.subplots(2, len(names), figsize=(4.5 * len(names), 7), squeeze=False)
+    for col, name in enumerate(names):
+        for batch, marker in zip(sorted({r["batch"] for r in payload["results"]}), "os^"):
+            rows = [r for r in payload["results"] if r["width"] == name and r["batch"] == batch]
+            ctx = [r["context"] for r in rows]
+            for side, style in (("kvjax", "-"), ("transformers", "--")):
+                axes[0][col].plot(ctx, [r[side]["decode_tokens_per_s"] for r in rows], marker + style,
+                                  label=f"{side}, batch {batch}")
+                axes[1][col].plot(ctx, [r[side]["share_of_large_read"] for r in rows], marker + style,
+                                  label=f"{side}, batch {batch}")
+        axes[0][col].set_title(name)
+        axes[0][col].set_ylabel("decode tokens/s")
+        axes[1][col].set_ylabel("step bytes/s / large read")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylim(bottom=0)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"decode, float32, {payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def render(payload: dict) -> str:
+    """The Markdown table and note of a run (what `kvjax bench decode` prints and writes)."""
+    headers = ["width", "batch", "context", "kvjax tok/s", "transformers tok/s", "speedup",
+               "kvjax share of large read", "transformers share", "kvjax share of matmul FLOP/s",
+               "kvjax prefill s", "transformers prefill s", "kvjax compile s (prefill + decode)"]
+    rows = [[r["width"], r["batch"], r["context"], r["kvjax"]["decode_tokens_per_s"],
+             r["transformers"]["decode_tokens_per_s"], f"{r['decode_speedup']:.2f}x",
+             f"{100 * r['kvjax']['share_of_large_read']:.0f}%", f"{100 * r['transformers']['share_of_large_read']:.0f}%",
+             f"{100 * r['kvjax']['share_of_matmul']:.0f}%", r["kvjax"]["prefill_s"], r["transformers"]["prefill_s"],
+             r["kvjax"]["prefill_compile_s"] + r["kvjax"]["decode_compile_s"]] for r in payload["results"]]
+    read, matmul, machine = payload["large_read"], payload["matmul"], payload["machine"]
+    load = payload.get("load", {})
+    note = (f"\nfloat32, {machine.get('cpu_model', '')}, {machine['cpu_count']} cores; decode = median of "
+            f"{payload['config']['timed_steps']} steps after a warm-up, tok/s = rows x steps/s. Large read "
+            f"{read['gbps']:.1f} GB/s (the faster of jax {read['jax_sum_gbps']:.1f} and torch "
+            f"{read['torch_sum_gbps']:.1f} over {read['bytes'] / 2**30:.1f} GiB); matmul {matmul['gflops']:.0f} GFLOP/s "
+            f"(the faster of jax {matmul['jax_gflops']:.0f} and torch {matmul['torch_gflops']:.0f}, "
+            f"{matmul['size']}x{matmul['size']}). Load average before/after: {load.get('before')} / {load.get('after')}.\n")
+    return markdown_table(headers, rows) + note
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="kvjax bench decode", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--widths", nargs="+", default=None, help="widths to run (default: all)")
+    parser.add_argument("--layers-1b", type=int, default=8, help="layers of the Llama-3.2-1B width (the model has 16)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192], help="contexts at batch 1")
+    parser.add_argument("--batch", type=int, default=8, help="the batched rows (0: batch 1 only)")
+    parser.add_argument("--batch-contexts", type=int, nargs="+", default=[1024, 2048], help="contexts at --batch")
+    parser.add_argument("--steps", type=int, default=8, help="timed decode steps per cell")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
+    parser.add_argument("--read-gib", type=float, default=2.0, help="size of the large read used as the bound")
+    parser.add_argument("--out", default=default_out("decode"))
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run (one small width, short contexts)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.contexts, args.batch, args.batch_contexts, args.steps, args.read_gib = [128, 256], 2, [128], 3, 0.25
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("kvjax bench decode compares against transformers on torch, which is not installed: "
+                         "pip install 'kvjax[dev]' (torch's CPU wheel) first") from None
+    import os
+
+    from tqdm import tqdm
+
+    threads = args.threads or os.cpu_count()
+    torch.set_num_threads(threads)
+    available = widths(args.layers_1b, args.quick)
+    chosen = args.widths or list(available)
+    unknown = sorted(set(chosen) - set(available))
+    if unknown:
+        raise SystemExit(f"unknown widths {unknown}; choose from {sorted(available)}")
+    load_before = cpu_load()
     large_read = large_read_gbps(args.read_gib)
-
-    results = []
-    for context in tqdm(args.contexts, desc="contexts"):
-        prompt = np.random.default_rng(context).integers(0, args.vocab, (1, context)).astype(np.int32)
-        kv_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * (context + args.steps // 2)
-        ours = bench_kvjax(model, prompt, args.steps)
-        theirs = bench_transformers(hf, prompt, args.steps)
-        for r in (ours, theirs):
-            r["achieved_gbps"] = (weight_bytes + kv_bytes) / r["decode_step_s"] / 1e9
-        results.append({"context": context, "kv_bytes_per_token": kv_bytes, "kvjax": ours, "transformers": theirs,
-                        "decode_speedup": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]})
-
+    matmul = matmul_gflops(512 if args.quick else 2048)
+    cells = [(1, c) for c in args.contexts] + ([(args.batch, c) for c in args.batch_contexts] if args.batch > 1 else [])
+    results, configs, skipped = [], {}, {}
+    for name in chosen:
+        try:
+            model, hf = build(available[name], threads)
+        except FileNotFoundError as error:  # a real model not fetched: say so, run the others
+            skipped[name] = str(error)
+            tqdm.write(f"{name}: skipped ({error})")
+            continue
+        cfg = model.cfg
+        configs[name] = {"hidden": cfg.hidden_size, "layers": cfg.num_layers, "heads": cfg.num_heads,
+                         "kv_heads": cfg.num_kv_heads, "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
+                         "real_weights": bool(available[name].real)}
+        for batch, context in tqdm(cells, desc=name):
+            prompt = np.random.default_rng([batch, context]).integers(0, cfg.vocab_size, (batch, context)).astype(np.int32)
+            cost = step_cost(cfg, batch, context + args.steps // 2)
+            ours = bench_kvjax(model, prompt, args.steps)
+            theirs = bench_transformers(hf, prompt, args.steps)
+            for r in (ours, theirs):
+                r["achieved_gbps"] = cost["bytes"] / r["decode_step_s"] / 1e9
+                r["share_of_large_read"] = r["achieved_gbps"] / large_read["gbps"]
+                r["gflops"] = cost["flops"] / r["decode_step_s"] / 1e9
+                r["share_of_matmul"] = r["gflops"] / matmul["gflops"]
+            results.append({"width": name, "batch": batch, "context": context, "step_cost": cost, "kvjax": ours,
+                            "transformers": theirs,
+                            "decode_speedup": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]})
+            tqdm.write(f"{name} batch {batch} at {context}: {ours['decode_tokens_per_s']:.1f} vs "
+                       f"{theirs['decode_tokens_per_s']:.1f} tok/s ({results[-1]['decode_speedup']:.2f}x)")
+        del model, hf
     payload = {
-        "benchmark": "bench_decode",
-        "machine": machine_info(),
-        "config": {"shape": "Llama-3.2-1B", "layers": args.layers, "vocab": args.vocab, "dtype": "float32",
-                   "weight_bytes": weight_bytes, "batch": 1, "timed_steps": args.steps},
-        "large_read": large_read,
-        "results": results,
+        "benchmark": "bench_decode", "machine": machine_info(), "load": {"before": load_before, "after": cpu_load()},
+        "config": {"dtype": "float32", "timed_steps": args.steps, "torch_threads": threads, "widths": configs,
+                   "skipped": skipped, "quick": args.quick},
+        "large_read": large_read, "matmul": matmul, "results": results,
     }
-    headers = ["context", "kvjax tok/s", "transformers tok/s", "speedup", "kvjax GB/s", "transformers GB/s",
-               "large read GB/s (jax/torch)", "kvjax prefill s", "transformers prefill s", "kvjax compile s (prefill+decode)"]
-    rows = [[r["context"], r["kvjax"]["decode_tokens_per_s"], r["transformers"]["decode_tokens_per_s"],
-             f"{r['decode_speedup']:.2f}x", r["kvjax"]["achieved_gbps"], r["transformers"]["achieved_gbps"],
-             f"{large_read['jax_sum_gbps']:.1f} / {large_read['torch_sum_gbps']:.1f}", r["kvjax"]["prefill_s"],
-             r["transformers"]["prefill_s"], r["kvjax"]["prefill_compile_s"] + r["kvjax"]["decode_compile_s"]]
-            for r in results]
-    table = markdown_table(headers, rows)
-    note = (f"\n{args.layers}-layer Llama-3.2-1B shape (of 16), float32, batch 1, {payload['machine'].get('cpu_model', '')}, "
-            f"{payload['machine']['cpu_count']} cores; weights {weight_bytes / 1e9:.2f} GB; decode = median of "
-            f"{args.steps} steps after a warm-up; large read over {large_read['bytes'] / 2**30:.1f} GiB.\n")
-    paths = write_outputs(args.out, "bench_decode", payload, table + note)
+    text = render(payload)
+    paths = write_outputs(args.out, "bench_decode", payload, text)
     plot(payload, paths["json"].replace(".json", ".png"))
-    print(table + note)
+    print(text)
     return payload
 
 

@@ -129,7 +129,7 @@ def _against_transformers(benchmark: str, rows: list[dict], large_read: dict, pl
         for side, res in (("kvjax", ours), ("transformers", theirs)):
             figs += [figure(benchmark, f"{side}_decode_tokens_per_s", res["decode_tokens_per_s"], "tok/s", large_read, **at),
                      figure(benchmark, f"{side}_decode_gbps", res["achieved_gbps"], BANDWIDTH_UNIT, large_read, **at),
-                     figure(benchmark, f"{side}_prefill_tokens_per_s", r["context"] / res["prefill_s"], "tok/s",
+                     figure(benchmark, f"{side}_prefill_tokens_per_s", r.get("batch", 1) * r["context"] / res["prefill_s"], "tok/s",
                             large_read, **at)]
         figs += [figure(benchmark, "decode_speedup", ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], "x",
                         large_read, note, **at),
@@ -140,9 +140,12 @@ def _against_transformers(benchmark: str, rows: list[dict], large_read: dict, pl
 
 
 def decode_figures(payload: dict, large_read: dict) -> list[dict]:
-    config = payload["config"]
-    return _against_transformers("decode", payload["results"], large_read, payload["machine"]["jax_backend"],
-                                 shape=config["shape"], layers=config["layers"], vocab=config["vocab"])
+    figs = []
+    for (width, batch) in dict.fromkeys((r["width"], r["batch"]) for r in payload["results"]):
+        rows = [r for r in payload["results"] if r["width"] == width and r["batch"] == batch]
+        figs += _against_transformers("decode", rows, large_read, payload["machine"]["jax_backend"], width=width,
+                                      batch=batch)
+    return figs
 
 
 def real_figures(payload: dict, large_read: dict) -> list[dict]:
