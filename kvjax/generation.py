@@ -354,9 +354,14 @@ def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None =
     """Append one token per sequence (`token_ids int[B]`) and return `(logits f32[B, V], state)`.
 
     The input state is donated (its buffers are reused); use the returned one. Raises `CacheCapacityError`
-    when the cache is full.
+    when the cache is full. Inside a user's `jax.jit`, `lax.scan` or `lax.while_loop` (traced tokens or
+    state) the host-side checks are skipped: the step is pure, and a full cache is left in the state's
+    capacity flag (`state.overflow[0] != 0`; `kvjax.state.overflow_error(state)` names it) for the caller
+    to check after the loop. Tokens must then be in the vocabulary.
     """
     policy = policy_or_full(policy)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, token_ids))):
+        return _decode(model, state, jnp.asarray(token_ids, jnp.int32).reshape(-1), policy)
     tokens = np.asarray(token_ids, np.int32).reshape(-1)
     B = state.next_position.shape[0]
     if tokens.shape[0] != B:

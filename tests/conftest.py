@@ -144,6 +144,23 @@ def mistral(hf_models):
     return hf, kvjax.load_model(path)
 
 
+@pytest.fixture
+def simulated_tpu():
+    """An abstract mesh whose device is a TPU v5e, so the Mosaic lowering knows its target."""
+    import jax
+
+    try:
+        from jax._src.mesh import AbstractDevice
+
+        device = AbstractDevice(device_kind="TPU v5e", num_cores=1, platform="tpu")
+        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+        context = jax.sharding.use_abstract_mesh(mesh)
+    except (ImportError, TypeError, AttributeError) as error:  # private API moved in another JAX
+        pytest.skip(f"cannot simulate a TPU device for lowering here: {error}")
+    with context:
+        yield
+
+
 def random_tokens(seed: int, shape, vocab: int = VOCAB) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=shape).astype(np.int32)
 

@@ -69,21 +69,6 @@ def test_gpu_kernels_lower_to_triton(kernel, dtype):
     assert "triton" in text
 
 
-@pytest.fixture
-def simulated_tpu():
-    """An abstract mesh whose device is a TPU v5e, so the Mosaic lowering knows its target."""
-    try:
-        from jax._src.mesh import AbstractDevice
-
-        device = AbstractDevice(device_kind="TPU v5e", num_cores=1, platform="tpu")
-        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-        context = jax.sharding.use_abstract_mesh(mesh)
-    except (ImportError, TypeError, AttributeError) as error:  # private API moved in another JAX
-        pytest.skip(f"cannot simulate a TPU device for lowering here: {error}")
-    with context:
-        yield
-
-
 @pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode", "quest_page_scores"])
 @pytest.mark.parametrize("dtype, per_kv_head", [(jnp.float32, False), (jnp.bfloat16, True)])
 def test_tpu_kernels_lower_to_mosaic(simulated_tpu, kernel, dtype, per_kv_head):

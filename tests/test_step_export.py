@@ -53,20 +53,6 @@ def abstract_decode_args(model, policy):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
 
 
-@pytest.fixture
-def simulated_tpu():
-    try:
-        from jax._src.mesh import AbstractDevice
-
-        device = AbstractDevice(device_kind="TPU v5e", num_cores=1, platform="tpu")
-        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-        context = jax.sharding.use_abstract_mesh(mesh)
-    except (ImportError, TypeError, AttributeError) as error:  # private API moved in another JAX
-        pytest.skip(f"cannot simulate a TPU device for lowering here: {error}")
-    with context:
-        yield
-
-
 @pytest.mark.parametrize("name", sorted(KERNEL_CALLS))
 def test_decode_step_exports_for_tpu(model, simulated_tpu, name):
     policy = policy_for(name)

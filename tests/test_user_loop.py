@@ -1,0 +1,58 @@
+"""`kvjax.decode_step` inside a user's own jitted loop: it traces under `jax.jit` and `lax.scan`, leaves the
+capacity flag in the state, and gives `generate`'s greedy tokens."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.config import ModelConfig
+from kvjax.loading import Model, init_params
+from kvjax.state import CacheCapacityError, overflow_error
+
+CFG = ModelConfig(
+    model_type="llama", max_position_embeddings=4096, vocab_size=512, hidden_size=96, intermediate_size=160,
+    num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
+)
+PROMPT = (np.arange(2 * 40).reshape(2, 40) * 7 % 500).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Model(CFG, init_params(CFG, seed=0, std=0.08))
+
+
+def greedy_loop(model, policy, new_tokens):
+    """The loop a user writes: prefill, then a jitted `lax.scan` of decode steps with argmax sampling."""
+
+    @jax.jit
+    def decode(state, token):
+        def body(carry, _):
+            state, token = carry
+            logits, state = kvjax.decode_step(model, state, token, policy)
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return (state, token), token
+
+        (state, _), tokens = jax.lax.scan(body, (state, token), None, length=new_tokens - 1)
+        return state, tokens.T
+
+    return decode
+
+
+@pytest.mark.parametrize("name", ["full", "quest"])
+def test_a_jitted_user_loop_gives_generates_tokens(model, name):
+    policy = None if name == "full" else kvjax.make_policy("quest", token_budget=32, page_size=16)
+    expected = kvjax.generate(model, PROMPT, 6, policy)
+    state, logits = kvjax.prefill(model, PROMPT, policy, max_new_tokens=6)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    state, tokens = greedy_loop(model, policy, 6)(state, first)
+    assert int(state.overflow[0]) == 0  # the capacity flag, left in the state for the caller
+    np.testing.assert_array_equal(np.concatenate([np.asarray(first)[:, None], np.asarray(tokens)], axis=1), expected)
+
+
+def test_the_capacity_flag_stays_in_the_state(model):
+    state, logits = kvjax.prefill(model, PROMPT, capacity=48)  # 40 tokens in, room for 8 more
+    state, _ = greedy_loop(model, None, 12)(state, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    assert int(state.overflow[0]) != 0
+    assert isinstance(overflow_error(state), CacheCapacityError)
