@@ -253,7 +253,8 @@ def render(payload: dict) -> str:
     headers = ["width", "batch", "context", "kvjax tok/s", "transformers tok/s", "speedup",
                "kvjax share of large read", "transformers share", "kvjax share of matmul FLOP/s",
                "kvjax prefill s", "transformers prefill s", "kvjax compile s (prefill + decode)"]
-    rows = [[r["width"], r["batch"], r["context"], r["kvjax"]["decode_tokens_per_s"],
+    forms = {r.get("decode_form", "per_layer") for r in payload["results"]}
+    rows = [[r["width"] + (f" ({r.get('decode_form', 'per_layer')})" if len(forms) > 1 else ""), r["batch"], r["context"], r["kvjax"]["decode_tokens_per_s"],
              r["transformers"]["decode_tokens_per_s"], f"{r['decode_speedup']:.2f}x",
              f"{100 * r['kvjax']['share_of_large_read']:.0f}%", f"{100 * r['transformers']['share_of_large_read']:.0f}%",
              f"{100 * r['kvjax']['share_of_matmul']:.0f}%", r["kvjax"]["prefill_s"], r["transformers"]["prefill_s"],
@@ -280,6 +281,9 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     parser.add_argument("--read-gib", type=float, default=2.0, help="size of the large read used as the bound")
     parser.add_argument("--out", default=default_out("decode"))
+    parser.add_argument("--decode-forms", nargs="+", default=["per_layer"], choices=["per_layer", "stacked"],
+                        help="kvjax's decode over per-layer weights (the default) and/or over the stacked layers "
+                             "(the scan of stop 33, which copies each weight per token), each timed in every cell")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (one small width, short contexts)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -292,6 +296,8 @@ def main(argv=None):
     import os
 
     from tqdm import tqdm
+
+    from kvjax.models import unstack_layers
 
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
@@ -319,18 +325,21 @@ def main(argv=None):
         for batch, context in tqdm(cells, desc=name):
             prompt = np.random.default_rng([batch, context]).integers(0, cfg.vocab_size, (batch, context)).astype(np.int32)
             cost = step_cost(cfg, batch, context + args.steps // 2)
-            ours = bench_kvjax(model, prompt, args.steps)
             theirs = bench_transformers(hf, prompt, args.steps)
-            for r in (ours, theirs):
-                r["achieved_gbps"] = cost["bytes"] / r["decode_step_s"] / 1e9
-                r["share_of_large_read"] = r["achieved_gbps"] / large_read["gbps"]
-                r["gflops"] = cost["flops"] / r["decode_step_s"] / 1e9
-                r["share_of_matmul"] = r["gflops"] / matmul["gflops"]
-            results.append({"width": name, "batch": batch, "context": context, "step_cost": cost, "kvjax": ours,
-                            "transformers": theirs,
-                            "decode_speedup": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]})
-            tqdm.write(f"{name} batch {batch} at {context}: {ours['decode_tokens_per_s']:.1f} vs "
-                       f"{theirs['decode_tokens_per_s']:.1f} tok/s ({results[-1]['decode_speedup']:.2f}x)")
+            for form in args.decode_forms:
+                # "stacked": the decode programs take the stacked tree (the scan over layers) as their parameters
+                model._decode = (model.params, model.params if form == "stacked" else unstack_layers(model.params))
+                ours = bench_kvjax(model, prompt, args.steps)
+                for r in (ours, theirs):
+                    r["achieved_gbps"] = cost["bytes"] / r["decode_step_s"] / 1e9
+                    r["share_of_large_read"] = r["achieved_gbps"] / large_read["gbps"]
+                    r["gflops"] = cost["flops"] / r["decode_step_s"] / 1e9
+                    r["share_of_matmul"] = r["gflops"] / matmul["gflops"]
+                results.append({"width": name, "batch": batch, "context": context, "step_cost": cost, "kvjax": ours,
+                                "transformers": theirs, "decode_form": form,
+                                "decode_speedup": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]})
+                tqdm.write(f"{name} ({form}) batch {batch} at {context}: {ours['decode_tokens_per_s']:.1f} vs "
+                           f"{theirs['decode_tokens_per_s']:.1f} tok/s ({results[-1]['decode_speedup']:.2f}x)")
         del model, hf
     payload = {
         "benchmark": "bench_decode", "machine": machine_info(), "load": {"before": load_before, "after": cpu_load()},
