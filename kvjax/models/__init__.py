@@ -2,7 +2,7 @@
 
 Layer parameters are stacked (`params["layers"]`, leaves `[L, ...]`); `layer_params` and `first_layers`
 take one layer or a prefix of the stack without hand-rolled slicing; `unstack_layers` takes the stack apart
-for decode (one tree per layer, run unrolled).
+for decode (one tree per layer, each read in place).
 """
 
 from kvjax.models.transformer import (

@@ -8,8 +8,8 @@ decode and label generation. The KV state threads through as an ordinary argumen
 The decoder layers' parameters are stacked: one `layers` subtree whose leaves have a leading `[L, ...]` axis
 (`layers/self_attn/q_proj/kernel` is `[L, E, Hq * D]`), and the forward runs `jax.lax.scan` over them, so a
 jitted step compiles one layer body whatever the depth. A decode step instead takes the layers apart once,
-outside the token loop (`unstack_layers`: `layers` a tuple of per-layer trees) and runs them unrolled, since
-a scan slices (on XLA:CPU, copies) every weight matrix out of the stack on every token. Per-layer differences a caller needs at trace time
+outside the token loop (`unstack_layers`: `layers` a tuple of per-layer trees), and picks each layer's
+weights with a `lax.switch`, since a scan slices (on XLA:CPU, copies) every weight out of the stack per token. Per-layer differences a caller needs at trace time
 (a policy's dense layers, a read bound) are expressed as *segments*: runs of consecutive layers, each
 scanned with its own `attend` (`Segment`, `segments_by`). Inside a segment `attend` gets the layer index as
 a traced int32 scalar. Names below `layers` mirror Hugging Face's, so checkpoint conversion is a name map
@@ -297,7 +297,8 @@ def apply_layers(layers, cfg: ModelConfig, dtype, x, positions, rope, attend: At
     segment's layers, slicing each layer's weights inside the body (a dynamic slice per layer, as scanning
     over the weights themselves would do; XLA:CPU copies each slice). A segment of one layer runs without a
     scan and hands `attend` the layer as a Python int (see `unrolled`). With `layers` per-layer trees
-    (`unstack_layers`), every layer runs unrolled on its own weights, `attend` getting a Python int."""
+    (`unstack_layers`), each segment still scans its layers, but each layer's weights are read in place,
+    picked by a `lax.switch` (`_per_layer_segment`); `attend` gets the layer as there."""
     segments = (Segment(0, cfg.num_layers, attend),) if callable(attend) else tuple(attend)
     covered = [layer for seg in segments for layer in range(seg.start, seg.stop)]
     if covered != list(range(cfg.num_layers)):
