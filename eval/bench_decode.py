@@ -72,6 +72,17 @@ def widths(layers_1b: int, quick: bool) -> dict[str, Width]:
     }
 
 
+def _median_seconds(run, repeats: int) -> float:
+    """Median wall time of `run()` over `repeats` calls, after one warm-up call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def large_read_gbps(gib: float, repeats: int = 5) -> dict[str, float]:
     """Read bandwidth of a `gib`-GiB float32 array, with jax (sum) and torch (sum), median of `repeats`;
     `gbps` is the faster of the two, the bound a decode step is held to."""
@@ -79,22 +90,10 @@ def large_read_gbps(gib: float, repeats: int = 5) -> dict[str, float]:
 
     n = int(gib * 2**30 // 4)
     x = jnp.ones((n,), jnp.float32)
-    jax.block_until_ready(jnp.sum(x))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(jnp.sum(x))
-        times.append(time.perf_counter() - t)
-    jax_gbps = n * 4 / statistics.median(times) / 1e9
+    jax_gbps = n * 4 / _median_seconds(lambda: jax.block_until_ready(jnp.sum(x)), repeats) / 1e9
     del x
     y = torch.ones(n)
-    y.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        y.sum()
-        times.append(time.perf_counter() - t)
-    torch_gbps = n * 4 / statistics.median(times) / 1e9
+    torch_gbps = n * 4 / _median_seconds(y.sum, repeats) / 1e9
     return {"bytes": n * 4, "jax_sum_gbps": jax_gbps, "torch_sum_gbps": torch_gbps, "gbps": max(jax_gbps, torch_gbps)}
 
 
@@ -105,21 +104,9 @@ def matmul_gflops(size: int = 2048, repeats: int = 5) -> dict[str, float]:
 
     a = jnp.ones((size, size), jnp.float32)
     matmul = jax.jit(jnp.matmul)
-    jax.block_until_ready(matmul(a, a))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(matmul(a, a))
-        times.append(time.perf_counter() - t)
-    jax_rate = 2 * size**3 / statistics.median(times) / 1e9
+    jax_rate = 2 * size**3 / _median_seconds(lambda: jax.block_until_ready(matmul(a, a)), repeats) / 1e9
     b = torch.ones(size, size)
-    b @ b
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        b @ b
-        times.append(time.perf_counter() - t)
-    torch_rate = 2 * size**3 / statistics.median(times) / 1e9
+    torch_rate = 2 * size**3 / _median_seconds(lambda: b @ b, repeats) / 1e9
     return {"size": size, "jax_gflops": jax_rate, "torch_gflops": torch_rate, "gflops": max(jax_rate, torch_rate)}
 
 
@@ -297,8 +284,6 @@ def main(argv=None):
 
     from tqdm import tqdm
 
-    from kvjax.models import unstack_layers
-
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
     available = widths(args.layers_1b, args.quick)
@@ -319,22 +304,27 @@ def main(argv=None):
             tqdm.write(f"{name}: skipped ({error})")
             continue
         cfg = model.cfg
+        decode_params = {"per_layer": model.decode_params, "stacked": model.params}  # each made once per width
         configs[name] = {"hidden": cfg.hidden_size, "layers": cfg.num_layers, "heads": cfg.num_heads,
                          "kv_heads": cfg.num_kv_heads, "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
                          "real_weights": bool(available[name].real)}
         for batch, context in tqdm(cells, desc=name):
             prompt = np.random.default_rng([batch, context]).integers(0, cfg.vocab_size, (batch, context)).astype(np.int32)
             cost = step_cost(cfg, batch, context + args.steps // 2)
-            theirs = bench_transformers(hf, prompt, args.steps)
+
+            def rates(r):
+                r["achieved_gbps"] = cost["bytes"] / r["decode_step_s"] / 1e9
+                r["share_of_large_read"] = r["achieved_gbps"] / large_read["gbps"]
+                r["gflops"] = cost["flops"] / r["decode_step_s"] / 1e9
+                r["share_of_matmul"] = r["gflops"] / matmul["gflops"]
+                return r
+
+            theirs = rates(bench_transformers(hf, prompt, args.steps))
             for form in args.decode_forms:
-                # "stacked": the decode programs take the stacked tree (the scan over layers) as their parameters
-                model._decode = (model.params, model.params if form == "stacked" else unstack_layers(model.params))
-                ours = bench_kvjax(model, prompt, args.steps)
-                for r in (ours, theirs):
-                    r["achieved_gbps"] = cost["bytes"] / r["decode_step_s"] / 1e9
-                    r["share_of_large_read"] = r["achieved_gbps"] / large_read["gbps"]
-                    r["gflops"] = cost["flops"] / r["decode_step_s"] / 1e9
-                    r["share_of_matmul"] = r["gflops"] / matmul["gflops"]
+                # the parameters kvjax's decode programs take (`Model.decode_params`, set here for the
+                # benchmark): the per-layer trees, or the stacked tree (the scan over layers)
+                model._decode = (model.params, decode_params[form])
+                ours = rates(bench_kvjax(model, prompt, args.steps))
                 results.append({"width": name, "batch": batch, "context": context, "step_cost": cost, "kvjax": ours,
                                 "transformers": theirs, "decode_form": form,
                                 "decode_speedup": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]})
