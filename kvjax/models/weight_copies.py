@@ -13,6 +13,8 @@ from typing import Any
 
 import jax
 
+from kvjax.models.transformer import is_unstacked
+
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = \w+\[([\d,]*)\]\S* ([\w\-]+)\(")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
 _NOT_A_COPY = {"parameter", "get-tuple-element", "bitcast", "tuple"}
@@ -22,7 +24,7 @@ def weight_shapes(params: Any) -> set[tuple[int, ...]]:
     """The shapes of one layer's weight matrices (leaves of two or more axes) in a model's parameter tree,
     stacked (`[L, ...]`, the leading axis dropped) or per-layer (`unstack_layers`)."""
     layers = params["layers"]
-    if isinstance(layers, (tuple, list)):
+    if is_unstacked(layers):
         return {tuple(w.shape) for w in jax.tree.leaves(layers) if w.ndim >= 2}
     return {tuple(w.shape[1:]) for w in jax.tree.leaves(layers) if w.ndim >= 3}
 
