@@ -8,7 +8,7 @@ say how long each program took to build: the prefill step (the first `append_ste
 compression step, the decode loop (`decode_steps`, which holds the decode step), and everything else. A second,
 identical `generate` then runs from the cache (its wall time is the run without compiles). Last, two fresh
 processes time a first `generate` of the deepest model with JAX's persistent compilation cache
-(`kvjax.compilation_cache`) in an empty folder: the first compiles (cold), the second reads the cache (warm).
+(`kvjax.util.compilation_cache`) in an empty folder: the first compiles (cold), the second reads the cache (warm).
 
     python -m kvjax.eval.bench_compile            # writes ./kvjax-results/compile/bench_compile.{json,md,png}
     python -m kvjax.eval.bench_compile --quick    # 2 and 6 layers, two policies, a short prompt
@@ -61,7 +61,7 @@ class ProgramLog:
 
 
 def smollm2_config(layers: int):
-    from kvjax.config import ModelConfig
+    from kvjax.models.config import ModelConfig
 
     return ModelConfig(
         model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=layers,
@@ -118,7 +118,7 @@ def bench(layers: int, policies, prompt_len: int, new_tokens: int, log: ProgramL
 
 _CACHE_RUN = """
 import json, sys, time
-from kvjax.compilation_cache import enable_compilation_cache
+from kvjax.util.compilation_cache import enable_compilation_cache
 enable_compilation_cache()
 import numpy as np
 import kvjax

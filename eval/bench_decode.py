@@ -182,11 +182,11 @@ def build(width: Width, threads: int):
     import torch
 
     import kvjax
-    from kvjax.loading import param_shapes
+    from kvjax.models.loading import param_shapes
     from kvjax.models.convert import params_from_hf
 
     if width.real:
-        from kvjax.hub import resolve_model
+        from kvjax.models.hub import resolve_model
 
         from .bench_real import load_transformers
 

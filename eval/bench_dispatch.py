@@ -1,7 +1,7 @@
 """Decode tokens/s against decode steps per dispatch: the host loop's cost per token, measured.
 
 `kvjax.generate` runs `steps_per_dispatch` decode steps (append, sample, EOS test) per call to the device
-(`kvjax.decode_loop`). With 1 the host waits for every token, as a per-step loop does; with K it waits
+(`kvjax.engine.decode_loop`). With 1 the host waits for every token, as a per-step loop does; with K it waits
 once per K tokens. For each model (the shipped tiny model, and SmolLM2-135M when fetched), batch size and
 K: a prompt of `--prompt` tokens is prefilled (not timed), then `--new` tokens are generated greedily with
 no EOS (`continue_rows`), timed after a warm-up run that compiles. Reported: decode tokens/s (all rows),
@@ -30,7 +30,7 @@ def time_decode(model, prompts: np.ndarray, new_tokens: int, steps_per_dispatch:
     """Seconds of `continue_rows` for `new_tokens` per row after a fresh prefill of `prompts`, per repeat
     (a warm-up run first)."""
     import kvjax
-    from kvjax.generation import continue_rows
+    from kvjax.engine.generation import continue_rows
 
     tails = [np.zeros(0, np.int32)] * len(prompts)
     seconds = []
@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.models, args.batches, args.dispatch, args.prompt, args.new, args.repeats = ["tiny"], [1, 2], [1, 8], 64, 16, 1
     import kvjax
-    from kvjax import hub
+    from kvjax.models import hub
 
     load_before = cpu_load()
     rows = []

@@ -44,9 +44,9 @@ def run_point(policy_name: str, context: int, budget: int, chunk: int, new_token
     import numpy as np
 
     import kvjax
-    from kvjax.compaction import memory_report
-    from kvjax.config import ModelConfig
-    from kvjax.loading import Model, init_params
+    from kvjax.cache.compaction import memory_report
+    from kvjax.models.config import ModelConfig
+    from kvjax.models.loading import Model, init_params
     from kvjax.locret import HeadsConfig, init_heads
 
     if model_name is None:

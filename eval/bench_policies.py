@@ -62,7 +62,7 @@ class PolicyRun:
 
     def __init__(self, model, prompt, policy):
         import kvjax
-        from kvjax.compaction import memory_report
+        from kvjax.cache.compaction import memory_report
 
         from .bench_decode import _compile_seconds
 

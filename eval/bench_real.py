@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
     from tqdm import tqdm
 
     import kvjax
-    from kvjax.hub import resolve_model
+    from kvjax.models.hub import resolve_model
 
     path = resolve_model(args.model)
     large_read = large_read_gbps(args.read_gib)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvjax.serving import (
+from kvjax.jenga import (
     AuxiliaryModelSpec,
     BudgetedSpec,
     FullAttentionSpec,

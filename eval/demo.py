@@ -29,7 +29,7 @@ SETTINGS = {
 def run_demo(model_name: str = "tiny", length: int = 2048, budget: int | None = None, samples: int | None = None,
              records: int = 4, policies=None, seed: int = 0, as_json: bool = False) -> dict:
     import kvjax
-    from kvjax.compilation_cache import enable_compilation_cache
+    from kvjax.util.compilation_cache import enable_compilation_cache
 
     from . import sweep
 

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args) -> tuple[dict, str]:
     """The task's result (a dict) and a one-line summary per length."""
     import kvjax
-    from kvjax.compilation_cache import enable_compilation_cache
+    from kvjax.util.compilation_cache import enable_compilation_cache
 
     from .sweep import build_policy
 

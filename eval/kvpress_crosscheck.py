@@ -73,7 +73,7 @@ def compare(ours: list, theirs: list, scores: list, tol: float) -> dict:
 
 def crosscheck(python: str, length: int = 512, budget: int = 128, seed: int = 0, tol: float = 1e-5) -> dict:
     import kvjax
-    from kvjax.compaction import kept_positions
+    from kvjax.cache.compaction import kept_positions
 
     prompt = np.random.default_rng(seed).integers(0, 128, length).tolist()
     with tempfile.TemporaryDirectory() as model_dir:

@@ -102,7 +102,7 @@ def batch_labels(model, prefixes, answers, chunk: int, rows_at_once: int = 5) ->
 
 def needle_kept(state, spans) -> list[float]:
     """Per row b, the share of `spans[b]`'s positions the state holds, averaged over layers and kv heads."""
-    from kvjax.compaction import kept_positions
+    from kvjax.cache.compaction import kept_positions
 
     from .trace_needle import kept_share
 
@@ -113,7 +113,7 @@ def needle_kept(state, spans) -> list[float]:
 def run_batch(model, samples, task: str, length: int, budgets, heads, stabilizers: int, local_tail: int,
               chunk: int, progress=None) -> dict:
     """{cell key: {"scores": [per sample], "needle_kept": [per sample]}} for one batch of samples."""
-    from kvjax.generation import continue_rows
+    from kvjax.engine.generation import continue_rows
 
     from . import retrieval
     from .trace_needle import needle_span
@@ -257,7 +257,7 @@ def plot(result: dict, path: str) -> str:
 
 
 def main(argv=None) -> dict:
-    from kvjax.loading import load_model
+    from kvjax.models.loading import load_model
 
     from . import retrieval
 

@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     import kvjax
-    from kvjax.compilation_cache import enable_compilation_cache
+    from kvjax.util.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     model = kvjax.load_model(args.model)

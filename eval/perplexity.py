@@ -1,14 +1,14 @@
 """PG19-style perplexity by token-by-token decode (Quest's, StreamingLLM's and H2O's language-modelling measure).
 
 A prefix of the text is prefilled (and compressed, for methods that compress); every following token is
-then fed through a decode step (`kvjax.generation.feed_tokens`), so each prediction reads the cache the
+then fed through a decode step (`kvjax.engine.generation.feed_tokens`), so each prediction reads the cache the
 policy keeps (Quest's selection, H2O's and TOVA's eviction) exactly as generation would. The score is the
 mean negative log-likelihood of each next token and its exponential.
 
     result = decode_perplexity(model, policy, token_ids, prefix_tokens=256)
 
 As a program, every policy at every budget on real-text windows of a real model, each batch prefilled
-once and every policy derived from it (`kvjax.shared_prefill`); JSON, a Markdown table and a plot of
+once and every policy derived from it (`kvjax.engine.shared_prefill`); JSON, a Markdown table and a plot of
 perplexity against budget:
 
     kvjax bench perplexity --model smollm2-135m --context 2048 --continuation 128 --texts 10
@@ -42,7 +42,7 @@ def decode_perplexity(model, policy, token_ids: Sequence[int], prefix_tokens: in
                       progress: bool = True) -> dict:
     """Mean NLL and perplexity of `token_ids[prefix_tokens:]`, each predicted through one decode step."""
     import kvjax
-    from kvjax.generation import feed_tokens
+    from kvjax.engine.generation import feed_tokens
 
     ids = [int(t) for t in token_ids]
     if not 1 <= prefix_tokens < len(ids):
@@ -63,8 +63,8 @@ def perplexity_sweep(model, policies: Sequence[str], budgets: Sequence[int], con
     under every policy spec (`eval.sweep.build_policy`) at every budget; `full` once."""
     from tqdm import tqdm
 
-    from kvjax.generation import feed_tokens
-    from kvjax.shared_prefill import derive, shared_prefill
+    from kvjax.engine.generation import feed_tokens
+    from kvjax.engine.shared_prefill import derive, shared_prefill
     from kvjax.tasks import needles
 
     from .sweep import _cell_key, build_policy, sweep_cells
@@ -155,7 +155,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     import kvjax
-    from kvjax.compilation_cache import enable_compilation_cache
+    from kvjax.util.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     model = kvjax.load_model(args.model)

@@ -2,7 +2,7 @@
 real-text passkey and RULER needles for real models (`kvjax.tasks.needles`).
 
 Protocol (Quest's passkey evaluation): the context is prefilled densely (the policy compresses it, if it
-compresses), then the question is fed **token by token through decode** (`kvjax.generation.continue_rows`,
+compresses), then the question is fed **token by token through decode** (`kvjax.engine.generation.continue_rows`,
 each row its own question), so a method that chooses what to keep before the question arrives cannot know what will be asked. The
 answer is greedy, as many tokens as the task's answers have digits; a sample is correct when the first
 integer of the generated text equals the answer.
@@ -14,7 +14,7 @@ Real-text tasks (`REAL_TASKS`: real_passkey, niah_single, niah_multikey, niah_mu
 papers do: Quest's first-integer match for the passkey, RULER's string_match_all for the needles (a
 multi-value sample scores the share of its values found).
 
-`answer_shared` answers one batch under many policies with one full prefill (`kvjax.shared_prefill`): each
+`answer_shared` answers one batch under many policies with one full prefill (`kvjax.engine.shared_prefill`): each
 policy that compresses after prefill is derived from a copy of that state, equal to its own prefill.
 """
 
@@ -127,10 +127,10 @@ def compresses_in_prefill(policy) -> bool:
 
 def policy_state(model, shared, policy, contexts, reserve: int, page_size: int = 16, chunk_size: int = 512):
     """`(state, logits)` of `contexts` under `policy`: derived from the shared full prefill `shared`
-    (`kvjax.shared_prefill`), or, for a policy that compresses during prefill, a prefill of its own (with the
+    (`kvjax.engine.shared_prefill`), or, for a policy that compresses during prefill, a prefill of its own (with the
     shared state's capacity when there is one)."""
     import kvjax
-    from kvjax.shared_prefill import derive
+    from kvjax.engine.shared_prefill import derive
 
     if not compresses_in_prefill(policy):
         return derive(model, shared, policy)
@@ -141,13 +141,13 @@ def policy_state(model, shared, policy, contexts, reserve: int, page_size: int =
 def answer_shared(model, policies: dict, samples: Sequence, task: str, n_tokens: int, page_size: int = 16,
                   chunk_size: int = 512, progress=None, question_in_prefill: bool = False) -> dict:
     """One batch of `samples` under every policy of `policies` ({key: Policy}), with one full prefill shared
-    by every policy that compresses after prefill or only selects pages (`kvjax.shared_prefill`); a policy
+    by every policy that compresses after prefill or only selects pages (`kvjax.engine.shared_prefill`); a policy
     compressing during prefill (Locret) is prefilled on its own. Questions are fed by decode, ragged.
     Returns {key: [Scored, ...]} in sample order. `progress` (a tqdm bar) is advanced once per policy.
     `question_in_prefill` prefills the question with the context (so it is compressed with it, and sits in
     SnapKV's observation window), the setting of SnapKV's and Ada-KV's LongBench runs, instead of Quest's."""
-    from kvjax.generation import continue_rows
-    from kvjax.shared_prefill import shared_prefill
+    from kvjax.engine.generation import continue_rows
+    from kvjax.engine.shared_prefill import shared_prefill
 
     split = [split_sample(model, s, task) for s in samples]
     if question_in_prefill:  # SnapKV's and H2O's own setting: the question is prefilled, then compressed

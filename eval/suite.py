@@ -192,7 +192,7 @@ def run_prefill(argv: list[str]) -> dict:
     import numpy as np
 
     import kvjax
-    from kvjax.loading import resolve_dtype
+    from kvjax.models.loading import resolve_dtype
 
     from .bench_policies import attention_heavy_config
 
@@ -274,7 +274,7 @@ def unavailable(member: Member) -> str | None:
     if member.module is not None and importlib.util.find_spec(member.module) is None:
         return f"{member.module} does not exist in this checkout"
     if member.name == "real":
-        from kvjax import hub
+        from kvjax.models import hub
 
         if hub.cached_path(REAL_MODEL) is None:
             return f"{REAL_MODEL} is not fetched (kvjax fetch {REAL_MODEL})"

@@ -2,7 +2,7 @@
 
 Every cell is one policy at one token budget (`full` once per length) on `eval.retrieval`'s protocol
 (question fed by decode, after compression). Each batch of samples is prefilled once and every cell that
-compresses after prefill is derived from that state (`kvjax.shared_prefill`); the run resumes by batch.
+compresses after prefill is derived from that state (`kvjax.engine.shared_prefill`); the run resumes by batch.
 Decode latency per policy is timed on the task's prompts (`time_decodes`). Plots are drawn from the JSON: accuracy against budget (one panel per task and length)
 and decode latency against context length.
 
@@ -50,10 +50,10 @@ def build_policy(spec: str, budget: int | None, dense_layers: int = DEFAULT_DENS
 
 
 def time_decodes(model, policies: dict, prompts: Sequence[Sequence[int]], steps: int = 16) -> dict:
-    """Prefill `prompts` once (`kvjax.shared_prefill`), derive each of `policies` ({key: Policy}), then time
+    """Prefill `prompts` once (`kvjax.engine.shared_prefill`), derive each of `policies` ({key: Policy}), then time
     `steps` decode steps after one warm-up step: {key: {decode_ms_per_step (median), decode_tokens_per_s, batch}}."""
-    from kvjax.generation import feed_tokens
-    from kvjax.shared_prefill import derive, shared_prefill
+    from kvjax.engine.generation import feed_tokens
+    from kvjax.engine.shared_prefill import derive, shared_prefill
 
     shared = shared_prefill(model, prompts, list(policies.values()), reserve_tokens=steps + 8)
     out = {}
@@ -310,7 +310,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import kvjax
-    from kvjax.compilation_cache import enable_compilation_cache
+    from kvjax.util.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     os.makedirs(args.out, exist_ok=True)

@@ -4,7 +4,7 @@ For one real-text sample (`kvjax.tasks.needles`), the full model is run densely 
 and, per layer and query head, the attention mass that the question's last token (the one whose logits
 give the first answer token) puts on the asked needle's tokens is recorded: the heads that retrieve.
 Then each policy's state after compression is derived from one shared prefill of the context, and, per
-layer and kv head, the share of the needle's tokens it kept is read from `kvjax.compaction.kept_positions`.
+layer and kv head, the share of the needle's tokens it kept is read from `kvjax.cache.compaction.kept_positions`.
 A policy that fails while its heads kept the needle lost it elsewhere (at decode, in Quest's page
 choice); one that evicted the needle in the retrieving heads lost it at compression. JSON, Markdown and a
 heatmap PNG (mass per head; kept share per head for each policy).
@@ -40,10 +40,10 @@ def needle_span(model, sample) -> np.ndarray:
 
 def needle_attention(model, prompt_ids, span: np.ndarray) -> np.ndarray:
     """f32[L, Hq]: per layer and query head, the attention mass the last prompt token puts on `span`."""
-    from kvjax.attention import dense_causal_attention
+    from kvjax.cache.attention import dense_causal_attention
     from kvjax.models import CausalLM
     from kvjax.models.transformer import unrolled
-    from kvjax.rope import rope_frequencies
+    from kvjax.models.rope import rope_frequencies
 
     cfg = model.cfg
     tokens = jnp.asarray(np.asarray(prompt_ids, np.int32)[None])
@@ -68,8 +68,8 @@ def needle_attention(model, prompt_ids, span: np.ndarray) -> np.ndarray:
 
 def kept_share(state, span: np.ndarray, row: int = 0, kept: list | None = None) -> np.ndarray:
     """f32[L, H]: per layer and kv head of sequence `row`, the share of `span`'s positions the state holds.
-    `kept`: the state's `kvjax.compaction.kept_positions`, when the caller already read them."""
-    from kvjax.compaction import kept_positions
+    `kept`: the state's `kvjax.cache.compaction.kept_positions`, when the caller already read them."""
+    from kvjax.cache.compaction import kept_positions
 
     kept = kept_positions(state) if kept is None else kept
     return np.array([[np.isin(span, kept[l][row][h]).mean() for h in range(len(kept[l][row]))]
@@ -87,8 +87,8 @@ def value_span(model, sample, span: np.ndarray) -> np.ndarray:
 
 def trace(model, task: str, length: int, sample_index: int, policies, budget: int, dense_layers: int = 0,
           seed: int = 0, question_in_prefill: bool = False, num_samples: int = 50) -> dict:
-    from kvjax.generation import continue_rows
-    from kvjax.shared_prefill import shared_prefill
+    from kvjax.engine.generation import continue_rows
+    from kvjax.engine.shared_prefill import shared_prefill
 
     from . import retrieval
     from .sweep import build_policy

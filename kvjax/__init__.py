@@ -4,12 +4,12 @@ Public API (see the README): load_model, forward_logits, make_policy, register_p
 decode_step, generate_text, CacheCapacityError.
 """
 
-from kvjax.config import ModelConfig
-from kvjax.generation import decode_step, forward_logits, generate, generate_text, prefill
-from kvjax.loading import Model, init_params, load_model
+from kvjax.models.config import ModelConfig
+from kvjax.engine.generation import decode_step, forward_logits, generate, generate_text, prefill
+from kvjax.models.loading import Model, init_params, load_model
 from kvjax.models.convert import CheckpointError
 from kvjax.policies import Policy, make_policy, register_policy
-from kvjax.state import CacheCapacityError, KVState, init_state
+from kvjax.cache.state import CacheCapacityError, KVState, init_state
 
 __version__ = "0.1.0"
 

@@ -22,7 +22,7 @@ DEFAULT_MODEL = "tiny"  # the model shipped in kvjax/assets/tiny-llama
 
 def cmd_generate(args) -> int:
     import kvjax
-    from kvjax.compilation_cache import enable_compilation_cache
+    from kvjax.util.compilation_cache import enable_compilation_cache
     from kvjax.policies.options import parse_policy_options
 
     enable_compilation_cache()
@@ -123,7 +123,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_fetch(args) -> int:
-    from kvjax import hub
+    from kvjax.models import hub
 
     if args.list or not args.name:
         for entry in hub.REGISTRY.values():
@@ -136,7 +136,7 @@ def cmd_fetch(args) -> int:
 
 def cmd_serve(args) -> int:
     import kvjax
-    from kvjax.compilation_cache import enable_compilation_cache
+    from kvjax.util.compilation_cache import enable_compilation_cache
     from kvjax.policies.options import parse_policy_options
     from kvjax.serving.http import ServerConfig, serve
 

@@ -27,7 +27,7 @@ def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 # bfloat16 pages may be held as their uint16 bit patterns: kvjax's layout for them on CPU, where XLA has no
-# bfloat16 scatter and converted the whole pool to float32 and back around every write (kvjax.state). Every
+# bfloat16 scatter and converted the whole pool to float32 and back around every write (kvjax.cache.state). Every
 # reader takes them: the XLA path bitcasts each gathered block, the other backends the pool up front.
 BFLOAT16_BITS = jnp.uint16
 

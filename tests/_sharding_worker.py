@@ -29,10 +29,10 @@ import numpy as np  # noqa: E402
 
 import kvjax  # noqa: E402
 from kvjax import distributed as dist  # noqa: E402
-from kvjax.compaction import kept_positions  # noqa: E402
-from kvjax.config import ModelConfig  # noqa: E402
-from kvjax.compile_count import count_compiles  # noqa: E402
-from kvjax.loading import Model, init_params  # noqa: E402
+from kvjax.cache.compaction import kept_positions  # noqa: E402
+from kvjax.models.config import ModelConfig  # noqa: E402
+from kvjax.util.compile_count import count_compiles  # noqa: E402
+from kvjax.models.loading import Model, init_params  # noqa: E402
 
 VOCAB = 97
 NEW_TOKENS = 6

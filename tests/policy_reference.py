@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvjax.attention import dense_causal_attention
+from kvjax.cache.attention import dense_causal_attention
 from kvjax.models import CausalLM, unrolled
-from kvjax.rope import rope_frequencies
+from kvjax.models.rope import rope_frequencies
 
 
 def capture_qk(model, tokens: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:

@@ -7,10 +7,10 @@ import dataclasses
 import numpy as np
 
 from conftest import CONFIGS, VOCAB
-from kvjax.config import ModelConfig
-from kvjax.loading import Model, init_params
+from kvjax.models.config import ModelConfig
+from kvjax.models.loading import Model, init_params
 
-# one conftest config per RoPE type of kvjax.rope.ROPE_REGISTRY
+# one conftest config per RoPE type of kvjax.models.rope.ROPE_REGISTRY
 CONFIG_FOR_ROPE = {
     "default": "qwen2",
     "linear": "llama_linear_tied",

@@ -19,13 +19,12 @@ import pytest
 # Lowest first. A module may import modules of its own layer or of lower layers, except where noted.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("kvjax.pallas_kernels",)),  # know no model and no state class
-    ("foundation", ("kvjax.config", "kvjax.rope", "kvjax.sampling", "kvjax.hashing", "kvjax.tasks",
-                    "kvjax.compilation_cache", "kvjax.compile_count", "kvjax.hub", "kvjax.lru")),
-    ("state", ("kvjax.state", "kvjax.compaction", "kvjax.rows")),  # knows no method and no model
-    ("models", ("kvjax.models", "kvjax.loading", "kvjax.attention")),
+    ("foundation", ("kvjax.util", "kvjax.tasks")),  # pure helpers and task generators
+    ("models", ("kvjax.models",)),  # config, rope, checkpoints, the transformer with its `attend` seam
+    ("cache", ("kvjax.cache",)),  # the paged state and attention over it; knows no method
     ("policies", ("kvjax.locret", "kvjax.policies")),
-    ("step", ("kvjax.step", "kvjax.decode_loop", "kvjax.generation", "kvjax.shared_prefill")),
-    ("subsystems", ("kvjax.serving", "kvjax.rag", "kvjax.distributed")),  # siblings: none imports another
+    ("engine", ("kvjax.engine",)),  # the one step and what drives it
+    ("subsystems", ("kvjax.serving", "kvjax.jenga", "kvjax.rag", "kvjax.distributed")),  # siblings apart
     ("api", ("kvjax",)),  # the package's public names (kvjax/__init__.py)
     ("programs", ("kvjax.eval", "kvjax.train")),  # use the library's public modules
     ("command line", ("kvjax.cli",)),  # runs the programs by module name (importlib), never by import
@@ -115,11 +114,11 @@ def test_every_module_belongs_to_a_layer_and_imports_only_downward():
 def test_the_checker_sees_a_forbidden_arrow(tmp_path):
     """The walk above must fail on an upward import: a library module importing a program."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from kvjax.eval import sweep\nfrom kvjax.generation import _private\n")
-    found = _imports("kvjax.state", bad, {"kvjax.eval.sweep"})
+    bad.write_text("from kvjax.eval import sweep\nfrom kvjax.engine.generation import _private\n")
+    found = _imports("kvjax.cache.state", bad, {"kvjax.eval.sweep"})
     assert ("kvjax.eval.sweep", "", 1) in found
-    assert _part("kvjax.eval.sweep")[0] > _part("kvjax.state")[0]
-    assert ("kvjax.generation", "_private", 2) in found
+    assert _part("kvjax.eval.sweep")[0] > _part("kvjax.cache.state")[0]
+    assert ("kvjax.engine.generation", "_private", 2) in found
 
 
 def test_no_generic_top_level_names_are_installed():
@@ -162,3 +161,16 @@ def test_pyproject_lists_every_package_folder():
 def test_programs_import_under_the_kvjax_namespace(program):
     module = importlib.import_module(program)
     assert callable(module.main)
+
+
+def test_each_layer_is_a_folder():
+    """The package's root holds only its public names and the command line; every other module lives in the
+    folder of its layer, so a reader finds a layer by its folder."""
+    root = pathlib.Path(importlib.util.find_spec("kvjax").origin).parent
+    loose = sorted(p.name for p in root.glob("*.py"))
+    assert loose == ["__init__.py", "cli.py"], f"modules outside a layer's folder: {loose}"
+    for _, prefixes in LAYERS:
+        for prefix in prefixes:
+            if prefix in ("kvjax", "kvjax.cli"):
+                continue
+            assert importlib.util.find_spec(prefix).submodule_search_locations, f"{prefix} is not a folder"

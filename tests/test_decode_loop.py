@@ -1,4 +1,4 @@
-"""Several decode steps per dispatch (`kvjax.decode_loop`) give what a host loop of one step per token gives.
+"""Several decode steps per dispatch (`kvjax.engine.decode_loop`) give what a host loop of one step per token gives.
 
 The reference is the loop `generate` ran before: sample on the host's schedule (split the key, sample, write
 the token unless the row is done, stop when every row is done), one `decode_step` per token. Tokens,
@@ -12,8 +12,8 @@ import pytest
 
 import kvjax
 from conftest import random_tokens
-from kvjax.compile_count import count_compiles
-from kvjax.sampling import sample_tokens
+from kvjax.util.compile_count import count_compiles
+from kvjax.engine.sampling import sample_tokens
 
 
 @pytest.fixture(scope="module")

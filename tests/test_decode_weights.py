@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.config import ModelConfig
-from kvjax.decode_loop import decode_steps
-from kvjax.generation import policy_or_full
-from kvjax.loading import Model, init_params
+from kvjax.models.config import ModelConfig
+from kvjax.engine.decode_loop import decode_steps
+from kvjax.engine.generation import policy_or_full
+from kvjax.models.loading import Model, init_params
 from kvjax.models import is_unstacked, unstack_layers
 from kvjax.models.weight_copies import weight_copies, weight_shapes
-from kvjax.step import append_step
+from kvjax.engine.step import append_step
 
 # shapes no activation or cache array of a decode step takes: every [96, x] / [160, 96] array is a weight
 CFG = ModelConfig(

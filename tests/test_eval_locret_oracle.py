@@ -7,7 +7,7 @@ import numpy as np
 
 import kvjax
 from conftest import random_tokens
-from kvjax.compaction import kept_positions
+from kvjax.cache.compaction import kept_positions
 from kvjax.eval.locret_oracle import LabelScoredLocret
 
 CHUNK, BUDGET, TAIL, STABLE = 32, 24, 8, 6  # evict budget b = BUDGET - TAIL = 16

@@ -120,7 +120,7 @@ def test_longbench_prompt_middle_truncation(tokenizer):
 
 @pytest.fixture(scope="module")
 def shipped():
-    from kvjax.hub import shipped_model_dir
+    from kvjax.models.hub import shipped_model_dir
 
     return kvjax.load_model(shipped_model_dir())
 
@@ -285,9 +285,9 @@ def test_default_model_recipe_sets_a_previous_token_head_and_trains():
     steps on its batches lower the answer loss."""
     import optax
 
-    from kvjax.attention import dense_causal_attention
+    from kvjax.cache.attention import dense_causal_attention
     from kvjax.models.transformer import CausalLM, unrolled
-    from kvjax.rope import rope_frequencies
+    from kvjax.models.rope import rope_frequencies
     from kvjax.train import train_default_model as tdm
 
     recipe = tdm.Recipe()  # the shipped recipe (the head's scale is set for its hidden size)

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import kvjax
-import kvjax.step
+import kvjax.engine.step
 from conftest import random_tokens
-from kvjax.attention import attention_column_sums, blocked_paged_attention, decode_attention, paged_attention, read_slots
-from kvjax.compaction import kept_positions
+from kvjax.cache.attention import attention_column_sums, blocked_paged_attention, decode_attention, paged_attention, read_slots
+from kvjax.cache.compaction import kept_positions
 from kvjax.policies import LayerView
-from kvjax.step import layer_view
+from kvjax.engine.step import layer_view
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_kernel_path_keeps_what_the_softmax_path_keeps(model, monkeypatch, name)
         policy = kvjax.make_policy(name, token_budget=budget)
     kept, logits = _kept_after_decoding(model, policy)
     monkeypatch.setattr(LayerView, "probs", property(softmax_probs))
-    monkeypatch.setattr(kvjax.step, "attention_column_sums", softmax_column_sums)
+    monkeypatch.setattr(kvjax.engine.step, "attention_column_sums", softmax_column_sums)
     jax.clear_caches()  # the steps are traced again, through the softmax path
     try:
         reference, reference_logits = _kept_after_decoding(model, policy)

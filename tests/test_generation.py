@@ -6,7 +6,7 @@ import torch
 
 import kvjax
 from conftest import random_tokens
-from kvjax.compile_count import count_compiles
+from kvjax.util.compile_count import count_compiles
 
 TOL = 1e-4
 
@@ -125,7 +125,7 @@ def test_top_p_keeps_only_the_nucleus():
     import jax
     import jax.numpy as jnp
 
-    from kvjax.sampling import sample_tokens
+    from kvjax.engine.sampling import sample_tokens
 
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
     seen = set()

@@ -10,7 +10,7 @@ import zipfile
 import pytest
 
 import kvjax
-from kvjax import hub
+from kvjax.models import hub
 from kvjax.cli import main as cli_main
 
 MEMBER = "fake_pkg/tiny-model.gguf"

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.compaction import compact_layer, memory_report
-from kvjax.config import ModelConfig
-from kvjax.state import allocate_for_append, append_to_layer, gather_layer, init_state
+from kvjax.cache.compaction import compact_layer, memory_report
+from kvjax.models.config import ModelConfig
+from kvjax.cache.state import allocate_for_append, append_to_layer, gather_layer, init_state
 from test_state import check_invariants
 
 CFG = ModelConfig(

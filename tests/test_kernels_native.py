@@ -93,8 +93,8 @@ def test_quest_scores_native(backend):
 def test_default_kernels_decode_a_model_on_the_device():
     """The whole step on the device with the default kernels: tokens equal the XLA path's."""
     import kvjax
-    from kvjax.config import ModelConfig
-    from kvjax.loading import Model, init_params
+    from kvjax.models.config import ModelConfig
+    from kvjax.models.loading import Model, init_params
 
     cfg = ModelConfig(model_type="llama", max_position_embeddings=4096, vocab_size=512, hidden_size=256,
                       intermediate_size=320, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=128)

@@ -13,7 +13,7 @@ import torch
 import kvjax
 from conftest import random_tokens
 from kvjax.cli import main as cli_main
-from kvjax.hub import shipped_model_dir
+from kvjax.models.hub import shipped_model_dir
 from kvjax.models.convert import params_to_hf
 
 
@@ -88,7 +88,7 @@ def test_unknown_model_type_and_missing_dir(hf_models, tmp_path):
 
 
 def test_config_reads_transformers_4_spelling():
-    from kvjax.config import ModelConfig
+    from kvjax.models.config import ModelConfig
 
     base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                 num_attention_heads=2, max_position_embeddings=128)

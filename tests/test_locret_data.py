@@ -116,8 +116,8 @@ def test_file_writer_and_trainer_reader(tokenizer, corpus, rows, tmp_path, monke
 def test_trainer_builds_the_recipe_in_memory(tokenizer, corpus, tmp_path, monkeypatch):
     """`kvjax train locret --data kvjax:real-text`: rows from the model's tokenizer, a short run, bf16 export."""
     import kvjax
-    from kvjax.config import ModelConfig
-    from kvjax.loading import Model, init_params
+    from kvjax.models.config import ModelConfig
+    from kvjax.models.loading import Model, init_params
     from kvjax.train import locret as train_locret
 
     cfg = ModelConfig.from_hf_dict(dict(

@@ -6,8 +6,8 @@ import pytest
 
 import kvjax
 from conftest import random_tokens
-from kvjax.compaction import kept_positions, memory_report
-from kvjax.compile_count import count_compiles
+from kvjax.cache.compaction import kept_positions, memory_report
+from kvjax.util.compile_count import count_compiles
 from kvjax.locret import HeadsConfig, export_safetensors, init_heads, save_heads
 from kvjax.locret import heads as heads_module
 from test_locret_training import dense_capture

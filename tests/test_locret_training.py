@@ -16,8 +16,8 @@ from kvjax.locret.data import build_examples, make_batch
 from kvjax.locret.labels import Batch, answer_logit_max, compute_targets
 from kvjax.locret.training import head_loss, loss_fn, make_optimizer, make_train_step
 from kvjax.models import CausalLM, unrolled
-from kvjax.rope import rope_frequencies
-from kvjax.attention import dense_causal_attention
+from kvjax.models.rope import rope_frequencies
+from kvjax.cache.attention import dense_causal_attention
 from kvjax.train import locret as train_locret
 from kvjax.tasks.synthetic import digits, passkey_sample
 

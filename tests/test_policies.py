@@ -5,8 +5,8 @@ import pytest
 
 import kvjax
 from conftest import random_tokens
-from kvjax.compaction import kept_positions, memory_report
-from kvjax.compile_count import count_compiles
+from kvjax.cache.compaction import kept_positions, memory_report
+from kvjax.util.compile_count import count_compiles
 from policy_reference import (
     ada_budgets, assert_top_set, capture_qk, h2o_scores, snapkv_scores, tova_scores,
 )

@@ -23,8 +23,8 @@ import pytest
 
 import kvjax
 from conftest import random_tokens
-from kvjax.compaction import kept_positions, memory_report
-from kvjax.compile_count import count_compiles
+from kvjax.cache.compaction import kept_positions, memory_report
+from kvjax.util.compile_count import count_compiles
 from kvjax.policies import POLICY_REGISTRY
 from policy_cases import BUDGET, matrix_cases
 from test_state import check_invariants

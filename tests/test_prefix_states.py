@@ -9,10 +9,10 @@ import pytest
 
 import kvjax
 from _sharding_worker import VOCAB
-from kvjax.generation import prefill_rows
+from kvjax.engine.generation import prefill_rows
 from kvjax.serving.batch_engine import BatchEngine
 from kvjax.serving.prefix_states import PrefixStates, chunk_boundaries
-from kvjax.state import gather_layer
+from kvjax.cache.state import gather_layer
 # the engine tests' shapes and fixtures: one prefill program per policy serves both modules
 from test_batch_engine import CAPACITY, CHUNK, PAGE_SIZE, cases, model  # noqa: F401
 
@@ -164,8 +164,8 @@ def test_evicting_policies_do_not_share_pages(model, cases):
 
 
 def test_a_shared_page_is_freed_by_its_last_row(model):
-    from kvjax.rows import insert_row, release_row
-    from kvjax.state import init_state
+    from kvjax.cache.rows import insert_row, release_row
+    from kvjax.cache.state import init_state
 
     first, second = shared_prompts(2)
     full = kvjax.make_policy("full")

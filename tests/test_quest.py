@@ -8,7 +8,7 @@ import pytest
 import kvjax
 from conftest import random_tokens
 from kvjax.policies import Compose
-from kvjax.step import page_view
+from kvjax.engine.step import page_view
 from test_state import check_invariants
 
 
@@ -81,9 +81,9 @@ def quest_masked_logits(model, tokens: np.ndarray, budget: int, dense_layers: in
     top (budget/ps - 1) pages of the earlier rows by sum_d max(q_d min_d, q_d max_d) (per query head, min and
     max over the page's keys) plus the current page. Pages are the consecutive ps-token blocks of a prompt
     prefilled from position 0, as in the paged cache."""
-    from kvjax.attention import dense_causal_attention
+    from kvjax.cache.attention import dense_causal_attention
     from kvjax.models import CausalLM
-    from kvjax.rope import rope_frequencies
+    from kvjax.models.rope import rope_frequencies
 
     def attend(layer, inputs, carry):
         q, k, v = inputs.q, inputs.k, inputs.v  # [B, T, Hq, D], [B, T, H, D]

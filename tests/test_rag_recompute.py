@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.attention import dense_causal_attention
+from kvjax.cache.attention import dense_causal_attention
 from kvjax.models import CausalLM, unrolled
 from kvjax.rag import (
     AuxScorer, ChunkStore, assemble, cacheblend_prefill, cacheclip_prefill, direct_reuse, group_windows, rag_prefill,
     recompute,
 )
 from kvjax.rag.recompute import top_tokens
-from kvjax.rope import rope_frequencies
-from kvjax.state import gather_layer
+from kvjax.models.rope import rope_frequencies
+from kvjax.cache.state import gather_layer
 from rag_helpers import random_model, request, rope_config
 
 TOL = 1e-4

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvjax.rag import ChunkStore, RopeShiftError, assemble, rotate_keys, shift_keys
-from kvjax.rope import ROPE_REGISTRY, apply_rope, rope_frequencies
+from kvjax.models.rope import ROPE_REGISTRY, apply_rope, rope_frequencies
 from rag_helpers import CONFIG_FOR_ROPE, random_model, request, rope_config
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import kvjax
-from kvjax import hub
-from kvjax.compaction import kept_positions
+from kvjax.models import hub
+from kvjax.cache.compaction import kept_positions
 
 pytestmark = pytest.mark.real
 NAME = "smollm2-135m"

@@ -8,7 +8,7 @@ test_single_type_kv_cache_manager.py), rewritten for this API.
 
 import pytest
 
-from kvjax.serving import (
+from kvjax.jenga import (
     AuxiliaryModelSpec,
     BudgetedSpec,
     FullAttentionSpec,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvjax.serving import (
+from kvjax.jenga import (
     AuxiliaryModelSpec,
     BudgetedSpec,
     FullAttentionSpec,
@@ -20,7 +20,7 @@ from kvjax.serving import (
     hash_block,
     longest_common_hit,
 )
-from kvjax.hashing import ROOT_HASH
+from kvjax.util.hashing import ROOT_HASH
 
 LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 

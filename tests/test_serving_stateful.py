@@ -16,7 +16,7 @@ from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvjax.serving import (
+from kvjax.jenga import (
     AuxiliaryModelSpec,
     BudgetedSpec,
     FullAttentionSpec,

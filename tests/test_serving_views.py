@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.serving import (
+from kvjax.jenga import (
     FullAttentionSpec,
     JengaAllocator,
     PageCopy,
@@ -14,7 +14,7 @@ from kvjax.serving import (
     QuestMetadataSpec,
     SlidingWindowSpec,
 )
-from kvjax.serving.views import apply_page_copies, make_pool, read_typed_pages, typed_view, write_typed_pages
+from kvjax.jenga.views import apply_page_copies, make_pool, read_typed_pages, typed_view, write_typed_pages
 
 KV = FullAttentionSpec(name="kv", num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", tokens_per_page=4)  # 256 B
 QUEST = QuestMetadataSpec(name="quest", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", tokens_per_page=16)  # 128 B

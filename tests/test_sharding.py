@@ -145,7 +145,7 @@ def test_policy_matrix_on_a_two_device_mesh(matrix_results, case_id):
 def test_mesh_and_plan_errors_name_the_problem():
     import jax
 
-    from kvjax.config import ModelConfig
+    from kvjax.models.config import ModelConfig
     from kvjax.distributed import make_mesh, plan_for
 
     with pytest.raises(ValueError, match=r"needs 1024 devices but \d+ are visible"):
@@ -164,10 +164,10 @@ def test_mesh_and_plan_errors_name_the_problem():
 def test_param_specs_split_heads_and_mlp():
     from jax.sharding import PartitionSpec as P
 
-    from kvjax.config import ModelConfig
+    from kvjax.models.config import ModelConfig
     from kvjax.distributed import param_specs
     from kvjax.distributed.mesh import ShardingPlan
-    from kvjax.loading import param_shapes
+    from kvjax.models.loading import param_shapes
 
     cfg = ModelConfig(model_type="llama", vocab_size=11, hidden_size=8, intermediate_size=8, num_layers=1,
                       num_heads=2, num_kv_heads=2, head_dim=4, max_position_embeddings=16)

@@ -14,9 +14,9 @@ import pytest
 
 import kvjax
 from conftest import random_tokens
-from kvjax.compaction import kept_positions
-from kvjax.generation import continue_rows
-from kvjax.shared_prefill import capture_for, derive, shared_prefill
+from kvjax.cache.compaction import kept_positions
+from kvjax.engine.generation import continue_rows
+from kvjax.engine.shared_prefill import capture_for, derive, shared_prefill
 from policy_cases import matrix_cases
 
 PAGE, CHUNK = 8, 32
@@ -111,7 +111,7 @@ def test_fed_tokens_nll_equals_dense_forward(shared):
     """feed_tokens' per-token NLL (the decode perplexity) under the full cache equals the dense forward's."""
     import jax
 
-    from kvjax.generation import feed_tokens
+    from kvjax.engine.generation import feed_tokens
 
     model, contexts, _, prefilled = shared
     policy = kvjax.make_policy("full")
@@ -129,7 +129,7 @@ def test_fed_tokens_nll_equals_dense_forward(shared):
 def test_question_in_prefill_equals_generate(hf_models):
     """SnapKV's setting (the question prefilled with the context, then compressed) equals generate without
     decode_last, through the same shared path (empty tails fed by decode)."""
-    from kvjax.generation import continue_rows
+    from kvjax.engine.generation import continue_rows
 
     model = _model(hf_models)
     prompts = [random_tokens(50 + i, (n,)).tolist() for i, n in enumerate((40, 33))]

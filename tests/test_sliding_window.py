@@ -1,4 +1,4 @@
-"""Sliding-window layers in `generate`'s own step (`kvjax.step.append_and_attend_window`): logits equal
+"""Sliding-window layers in `generate`'s own step (`kvjax.engine.step.append_and_attend_window`): logits equal
 transformers' Mistral past the window, in chunked prefill and decode; a windowed layer holds only the
 tokens its next query can see (pages freed as the window moves); per-layer windows (Gemma-2's pattern)
 equal the dense windowed forward, with policies acting on the full-attention layers only."""
@@ -13,9 +13,9 @@ import torch
 
 import kvjax
 from conftest import random_tokens
-from kvjax.compaction import kept_positions
+from kvjax.cache.compaction import kept_positions
 from kvjax.rag import ChunkStore, assemble
-from kvjax.serving import alternating_windows
+from kvjax.jenga import alternating_windows
 
 TOL = 1e-4
 WINDOW = 12  # mistral_sw12's

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import kvjax
 from conftest import VOCAB, random_tokens
-from kvjax.state import allocate_for_append, append_to_layer, init_state
+from kvjax.cache.state import allocate_for_append, append_to_layer, init_state
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_pool_overflow_writes_nothing_and_is_reported(llama):
     state, ok = allocate_for_append(state, jnp.asarray([40], jnp.int32), 40)
     assert not bool(ok)
     np.testing.assert_array_equal(np.asarray(state.page_table), before)
-    error = kvjax.state.overflow_error(state)
+    error = kvjax.cache.state.overflow_error(state)
     assert isinstance(error, kvjax.CacheCapacityError)
     assert error.pages_needed == 3 * cfg.num_layers * cfg.num_kv_heads and error.pages_available == 4
     assert "needed 12 new pages" in str(error) and "4 of 8 were free" in str(error)
@@ -97,7 +97,7 @@ def test_pool_overflow_writes_nothing_and_is_reported(llama):
 
 
 def test_prompt_longer_than_capacity_raises_before_work(llama, monkeypatch):
-    import kvjax.generation as gen
+    import kvjax.engine.generation as gen
 
     def no_work(*args, **kwargs):
         raise AssertionError("a step ran before the capacity check")

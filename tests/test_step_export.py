@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.config import ModelConfig
-from kvjax.generation import policy_or_full
-from kvjax.loading import Model, init_params
+from kvjax.models.config import ModelConfig
+from kvjax.engine.generation import policy_or_full
+from kvjax.models.loading import Model, init_params
 from kvjax.pallas_kernels import target_platform
 from kvjax.pallas_kernels._backend import triton_compiler_params
-from kvjax.step import append_step
+from kvjax.engine.step import append_step
 
 # head_dim 128: the TPU kernels' blocks need a lane-sized last axis
 CFG = ModelConfig(

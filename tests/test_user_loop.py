@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.config import ModelConfig
-from kvjax.loading import Model, init_params
-from kvjax.state import CacheCapacityError, overflow_error
+from kvjax.models.config import ModelConfig
+from kvjax.models.loading import Model, init_params
+from kvjax.cache.state import CacheCapacityError, overflow_error
 
 CFG = ModelConfig(
     model_type="llama", max_position_embeddings=4096, vocab_size=512, hidden_size=96, intermediate_size=160,

@@ -71,7 +71,7 @@ def set_previous_token_head(params, cfg, recipe: Recipe, const_dim: int = 0):
     so their dot product at query position m and key position n is s^2 * cos((m - n - 1) theta_j): summed
     over the highest-frequency pairs it peaks at n = m - 1.
     """
-    from kvjax.rope import rope_frequencies
+    from kvjax.models.rope import rope_frequencies
 
     params = jax.tree_util.tree_map(lambda x: x, params)  # shallow copy of the tree
     embed = params["embed_tokens"]["embedding"]
@@ -99,7 +99,7 @@ def set_previous_token_head(params, cfg, recipe: Recipe, const_dim: int = 0):
 
 def loss_and_metrics(params, tokens, mask, cfg):
     """Cross-entropy on the masked target tokens. tokens, mask: `[B, T]`; mask marks tokens to predict."""
-    from kvjax.generation import dense_forward
+    from kvjax.engine.generation import dense_forward
 
     logits = dense_forward(params, tokens, cfg)
     logits, targets, weight = logits[:, :-1], tokens[:, 1:], mask[:, 1:].astype(jnp.float32)

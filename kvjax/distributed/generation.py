@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kvjax.compaction import compact_layer, evict_one_slot
-from kvjax.config import ModelConfig
+from kvjax.cache.compaction import compact_layer, evict_one_slot
+from kvjax.models.config import ModelConfig
 from kvjax.distributed.mesh import AXES, DATA, ShardingPlan, plan_for, shard_params
 from kvjax.distributed.state import head_axis, init_sharded_state, per_shard, sharded_overflow_error, state_spec
-from kvjax.generation import (
+from kvjax.engine.generation import (
     DEFAULT_STEPS_PER_DISPATCH,
     as_token_lists,
     bucketed,
@@ -32,10 +32,10 @@ from kvjax.generation import (
     policy_or_full,
     prefill_rows,
 )
-from kvjax.loading import Model
+from kvjax.models.loading import Model
 from kvjax.policies import LayerView, Policy
-from kvjax.state import KVState, allocate_for_append
-from kvjax.step import (
+from kvjax.cache.state import KVState, allocate_for_append
+from kvjax.engine.step import (
     StepBackend,
     append_and_attend,
     compress_segments,
@@ -77,7 +77,7 @@ def _sharded_append_step(
     params, state: KVState, window, tokens, num_new, last_logits, policy_params=None, *, cfg: ModelConfig, dtype,
     policy: Policy, mesh: Mesh, plan: ShardingPlan,
 ):
-    """`kvjax.step.append_step` on a stacked state (see kvjax.distributed.state): same arguments and
+    """`kvjax.engine.step.append_step` on a stacked state (see kvjax.distributed.state): same arguments and
     results, `tokens int32[B, C]` with B a multiple of the data axis."""
     B, C = tokens.shape
     decoding = C == 1
@@ -148,7 +148,7 @@ def _sharded_compress_step(
     state: KVState, window, final=None, *, num_layers: int, policy: Policy, keep_bound: int, read_pages: tuple,
     mesh: Mesh, plan: ShardingPlan, windows: tuple = (),
 ):
-    """`kvjax.step.compress_step` on a stacked state: the policy sees the global view of each layer;
+    """`kvjax.engine.step.compress_step` on a stacked state: the policy sees the global view of each layer;
     compaction runs per shard. `final bool[B]` as there (per-chunk compression). Models with sliding
     windows are refused before (`_placed`), so `windows` holds only zeros here."""
     S, H = state_spec(plan), head_axis(plan)
@@ -187,8 +187,8 @@ def _padded_rows(rows: list[np.ndarray], data: int) -> list[np.ndarray]:
 
 @functools.lru_cache(maxsize=16)
 def _backend(mesh: Mesh, plan: ShardingPlan) -> StepBackend:
-    """The host loops of `kvjax.generation` with a stacked state on `mesh` and the sharded steps. Cached: the
-    step is a static argument of `kvjax.decode_loop.decode_steps`, so one (mesh, plan) keeps one program."""
+    """The host loops of `kvjax.engine.generation` with a stacked state on `mesh` and the sharded steps. Cached: the
+    step is a static argument of `kvjax.engine.decode_loop.decode_steps`, so one (mesh, plan) keeps one program."""
     batch = NamedSharding(mesh, P(DATA))
 
     def new_state(cfg, B, capacity, page_size, num_pages, dtype, long_rope, read_pages):

@@ -16,8 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kvjax.config import ModelConfig
-from kvjax.loading import Model
+from kvjax.models.config import ModelConfig
+from kvjax.models.loading import Model
 from kvjax.models.convert import is_stacked
 
 DATA, MODEL = "data", "model"

@@ -3,8 +3,8 @@
 Every array of the stacked state has two leading axes `[Sd, Sm]` (data shards, head shards) placed with
 `PartitionSpec("data", "model")`, so device (d, m) holds exactly shard (d, m): the pages, tables, free
 stack and counters of its batch rows and its kv heads. Page ids are local to a shard. Shard-local code
-runs under `shard_map` on the unmodified single-device functions of `kvjax.state` and
-`kvjax.compaction`, which see an ordinary `KVState` of `B / Sd` rows and `H / Sm` heads.
+runs under `shard_map` on the unmodified single-device functions of `kvjax.cache.state` and
+`kvjax.cache.compaction`, which see an ordinary `KVState` of `B / Sd` rows and `H / Sm` heads.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kvjax.config import ModelConfig
+from kvjax.models.config import ModelConfig
 from kvjax.distributed.mesh import DATA, MODEL, ShardingPlan
-from kvjax.state import KVState, init_state, overflow_error
+from kvjax.cache.state import KVState, init_state, overflow_error
 
 try:  # JAX >= 0.6 exports shard_map at the top level; older releases only in jax.experimental
     from jax import shard_map as _jax_shard_map
@@ -76,7 +76,7 @@ def init_sharded_state(
 ) -> KVState:
     """An empty stacked state for `batch` sequences (a multiple of the data axis) on `mesh`.
 
-    `num_pages` is the whole pool (as `kvjax.state.init_state` takes it), split evenly over the shards;
+    `num_pages` is the whole pool (as `kvjax.cache.state.init_state` takes it), split evenly over the shards;
     by default each shard's pool holds a full cache of its rows and heads. Returns a `KVState` whose
     leaves have leading axes `[Sd, Sm]`.
     """

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig
+from kvjax.models.config import ModelConfig
 
 META_FILE = "locret_heads.json"
 PARAMS_DIR = "params"

@@ -22,11 +22,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import blocked_paged_attention
-from kvjax.config import ModelConfig
+from kvjax.cache.attention import blocked_paged_attention
+from kvjax.models.config import ModelConfig
 from kvjax.models import CausalLM
-from kvjax.rope import rope_frequencies, uses_long_factors
-from kvjax.state import allocate_for_append, append_to_layer, gather_layer, init_state
+from kvjax.models.rope import rope_frequencies, uses_long_factors
+from kvjax.cache.state import allocate_for_append, append_to_layer, gather_layer, init_state
 
 _MASKED = -1e30
 ANSWER_BLOCK = 64  # answer queries scored at once in the label step

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kvjax.config import ModelConfig
+from kvjax.models.config import ModelConfig
 from kvjax.locret.heads import retaining_scores
 from kvjax.locret.labels import Batch, Targets, compute_targets
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from kvjax.config import ModelConfig
+from kvjax.models.config import ModelConfig
 
 # HF tensors that carry no parameters we need (buffers saved by old checkpoints).
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig
-from kvjax.rope import apply_rope
+from kvjax.models.config import ModelConfig
+from kvjax.models.rope import apply_rope
 
 
 class AttentionInputs(NamedTuple):

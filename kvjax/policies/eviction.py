@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import masked_attention
+from kvjax.cache.attention import masked_attention
 from kvjax.policies.base import LayerView, Policy
 
 NEG = -jnp.inf

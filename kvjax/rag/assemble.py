@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig
-from kvjax.loading import Model
+from kvjax.models.config import ModelConfig
+from kvjax.models.loading import Model
 from kvjax.rag.rope_shift import check_shiftable, rotate_keys, shift_keys
 from kvjax.rag.store import ChunkKV, ChunkStore, check_fingerprint, model_fingerprint
-from kvjax.rope import uses_long_factors
+from kvjax.models.rope import uses_long_factors
 
 
 @dataclasses.dataclass

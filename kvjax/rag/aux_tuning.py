@@ -20,7 +20,7 @@ fine-tunes the auxiliary model so its attention matches the main model's. Here:
 
 `selection_recall` is the evaluation: the share of the target's top r% context tokens that the
 auxiliary model's top r% selects. Both forwards are dense and causal and call
-`kvjax.attention.masked_attention`. Shapes: B prompts of T tokens, the last Q of them the question.
+`kvjax.cache.attention.masked_attention`. Shapes: B prompts of T tokens, the last Q of them the question.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax.attention import masked_attention
-from kvjax.config import ModelConfig
+from kvjax.cache.attention import masked_attention
+from kvjax.models.config import ModelConfig
 from kvjax.models import CausalLM
-from kvjax.rope import rope_frequencies
+from kvjax.models.rope import rope_frequencies
 
 
 def _rows_attention(params, tokens, first: int, stop: int, *, cfg: ModelConfig, dtype, last_layer_only: bool) -> jax.Array:

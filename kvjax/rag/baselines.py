@@ -18,16 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig
-from kvjax.generation import prefill
-from kvjax.loading import Model
+from kvjax.models.config import ModelConfig
+from kvjax.engine.generation import prefill
+from kvjax.models.loading import Model
 from kvjax.models import layer_params
 from kvjax.models.transformer import Attention, RMSNorm
 from kvjax.rag.assemble import AssembledContext
 from kvjax.rag.prefill import RagPrefill, recompute, store_result
 from kvjax.rag.recompute import budget_for
 from kvjax.rag.selective import embed, final_logits, layer_step
-from kvjax.rope import rope_frequencies
+from kvjax.models.rope import rope_frequencies
 
 
 def full_prefill(model: Model, tokens, *, max_new_tokens: int = 16, page_size: int = 16,

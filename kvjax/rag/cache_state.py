@@ -7,10 +7,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.config import ModelConfig
-from kvjax.state import KVState, allocate_for_append, append_to_layer, init_state, overflow_error, pages_for
+from kvjax.models.config import ModelConfig
+from kvjax.cache.state import KVState, allocate_for_append, append_to_layer, init_state, overflow_error, pages_for
 
-CAPACITY_BUCKET = 256  # as kvjax.generation: nearby lengths share compiles
+CAPACITY_BUCKET = 256  # as kvjax.engine.generation: nearby lengths share compiles
 
 
 def default_capacity(num_tokens: int, max_new_tokens: int) -> int:

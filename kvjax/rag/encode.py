@@ -8,10 +8,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import dense_causal_attention
-from kvjax.config import ModelConfig
+from kvjax.cache.attention import dense_causal_attention
+from kvjax.models.config import ModelConfig
 from kvjax.models import CausalLM
-from kvjax.rope import rope_frequencies
+from kvjax.models.rope import rope_frequencies
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "long_rope"))

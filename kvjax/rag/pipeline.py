@@ -6,8 +6,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kvjax.generation import continue_rows
-from kvjax.loading import Model
+from kvjax.engine.generation import continue_rows
+from kvjax.models.loading import Model
 from kvjax.policies import FullPolicy
 from kvjax.rag.assemble import assemble
 from kvjax.rag.baselines import cacheblend_prefill, direct_reuse, full_prefill
@@ -69,7 +69,7 @@ def rag_prefill(
 
 def greedy_continue(model: Model, prefilled: RagPrefill, max_new_tokens: int) -> np.ndarray:
     """Greedy tokens `int32[max_new_tokens]` decoded from a prefilled request by `generate`'s decode loop
-    (`kvjax.generation.continue_rows`, full cache, no stop token). To serve it among other requests, hand
+    (`kvjax.engine.generation.continue_rows`, full cache, no stop token). To serve it among other requests, hand
     `prefilled.state` and `prefilled.logits` to `kvjax.serving.BatchEngine.submit_prefilled`."""
     tokens = continue_rows(model, prefilled.state, prefilled.logits, [np.zeros(0, np.int32)], max_new_tokens,
                            FullPolicy(), eos_token_id=-1)

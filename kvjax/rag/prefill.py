@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.loading import Model
+from kvjax.models.loading import Model
 from kvjax.rag.assemble import AssembledContext
 from kvjax.rag.cache_state import default_capacity, state_from_kv
 from kvjax.rag.selective import selective_forward
-from kvjax.state import KVState
+from kvjax.cache.state import KVState
 
 
 @dataclasses.dataclass

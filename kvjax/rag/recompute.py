@@ -14,7 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.loading import Model
+from kvjax.models.loading import Model
 from kvjax.models import first_layers
 from kvjax.rag.assemble import AssembledContext
 from kvjax.rag.prefill import RagPrefill, recompute

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kvjax.config import ModelConfig
-from kvjax.rope import apply_rope, rope_frequencies
+from kvjax.models.config import ModelConfig
+from kvjax.models.rope import apply_rope, rope_frequencies
 
 
 class RopeShiftError(ValueError):

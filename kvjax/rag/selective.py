@@ -13,15 +13,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import masked_attention as reference_attention
-from kvjax.config import ModelConfig
+from kvjax.cache.attention import masked_attention as reference_attention
+from kvjax.models.config import ModelConfig
 from kvjax.models import CausalLM, layer_params
 from kvjax.models.transformer import DecoderLayer
-from kvjax.rope import rope_frequencies
+from kvjax.models.rope import rope_frequencies
 
 def masked_attention(q, q_slots, k, v, valid, return_probs: bool = False):
     """Queries `q [B, n, Hq, D]` at slots `q_slots int32[B, n]` over keys `k, v [B, S, H, D]`: a query
-    sees slot j when j <= its slot and `valid bool[B, S]` (`kvjax.attention.masked_attention` with that
+    sees slot j when j <= its slot and `valid bool[B, S]` (`kvjax.cache.attention.masked_attention` with that
     mask). Returns `[B, n, Hq, D]`, and with `return_probs` also the head-averaged probabilities `f32[B, n, S]`."""
     visible = (jnp.arange(k.shape[1])[None, None, :] <= q_slots[:, :, None]) & valid[:, None, :]  # [B, n, S]
     k, v, visible = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), visible[:, None, None]

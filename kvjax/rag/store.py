@@ -10,7 +10,7 @@ one of two forms, fixed per store:
   in float32 (`rope_shift.shift_keys`); refused across LongRoPE's short/long switch.
 
 Entries carry the fingerprint of the model and tokenizer that made them; using them with another raises
-`ChunkMismatchError`. They live in a byte-bounded LRU (`kvjax.lru.BytesLRU`): unbounded by default,
+`ChunkMismatchError`. They live in a byte-bounded LRU (`kvjax.util.lru.BytesLRU`): unbounded by default,
 `max_bytes` for a budget of their own, or `lru=engine.cache` to share the batch engine's budget with its
 prefix carries.
 """
@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.loading import Model
+from kvjax.models.loading import Model
 from kvjax.rag.encode import encode_kv
-from kvjax.hashing import ROOT_HASH, hash_block
-from kvjax.lru import BytesLRU
+from kvjax.util.hashing import ROOT_HASH, hash_block
+from kvjax.util.lru import BytesLRU
 
 FORMS = ("pre_rope", "rotated")
 _NAMESPACE = "rag-chunk"  # keys in a shared BytesLRU

@@ -1,11 +1,11 @@
 """The serving engine over `generate`'s own machinery: every policy, continuous batching, sampling per request.
 
-A request is prefilled on its own by `kvjax.generation.prefill_row_steps` (chunked prefill with its policy:
+A request is prefilled on its own by `kvjax.engine.generation.prefill_row_steps` (chunked prefill with its policy:
 compression after prefill, per-chunk eviction, Quest's metadata), its decode tail fed by `feed_tokens`, and
 its first token sampled from the prefill's logits, exactly as `generate` does for one prompt (its chunks may
 be spread over several engine steps, between the live batches' dispatches: `prefill_chunks_per_step`). The
-one-sequence state is then inserted into a free row of a decode batch (`kvjax.rows.insert_row`), and
-`kvjax.decode_loop.decode_steps`, `generate`'s on-device loop with its append step and kernels, advances
+one-sequence state is then inserted into a free row of a decode batch (`kvjax.cache.rows.insert_row`), and
+`kvjax.engine.decode_loop.decode_steps`, `generate`'s on-device loop with its append step and kernels, advances
 every live row of the batch `steps_per_dispatch` tokens per call. A finished row (EOS, its token limit, or
 its `on_tokens` callback asking to stop) is released at once (`release_row`) and its row and pages serve
 the next request, so requests join and leave the batch between dispatches.
@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.decode_loop import decode_steps
-from kvjax.generation import (
+from kvjax.engine.decode_loop import decode_steps
+from kvjax.engine.generation import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_STEPS_PER_DISPATCH,
     as_token_lists,
@@ -48,16 +48,16 @@ from kvjax.generation import (
     policy_or_full,
     prefill_row_steps,
 )
-from kvjax.loading import Model
-from kvjax.lru import BytesLRU
+from kvjax.models.loading import Model
+from kvjax.util.lru import BytesLRU
 from kvjax.policies import Policy
-from kvjax.rope import uses_long_factors
-from kvjax.rows import insert_row, pages_held, release_row
+from kvjax.models.rope import uses_long_factors
+from kvjax.cache.rows import insert_row, pages_held, release_row
 from kvjax.serving.memory import MemorySample, sample_memory
 from kvjax.serving.prefix_states import PrefixStates, chunk_boundaries
-from kvjax.sampling import sample_first_tokens, validate_sampling
-from kvjax.state import CacheCapacityError, KVState, init_state, overflow_error, pages_for
-from kvjax.step import LOCAL_BACKEND
+from kvjax.engine.sampling import sample_first_tokens, validate_sampling
+from kvjax.cache.state import CacheCapacityError, KVState, init_state, overflow_error, pages_for
+from kvjax.engine.step import LOCAL_BACKEND
 
 
 @dataclass(eq=False)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvjax.loading import Model
+from kvjax.models.loading import Model
 from kvjax.policies import Policy, make_policy
 from kvjax.policies.options import parse_policy_options
 

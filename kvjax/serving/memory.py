@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvjax.state import KVState
+from kvjax.cache.state import KVState
 
 
 @dataclass(frozen=True)

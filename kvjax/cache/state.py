@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.config import ModelConfig
+from kvjax.models.config import ModelConfig
 from kvjax.pallas_kernels import (
     BFLOAT16_BITS,
     bfloat16_bits,

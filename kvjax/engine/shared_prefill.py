@@ -26,13 +26,13 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from kvjax.generation import (
+from kvjax.engine.generation import (
     DEFAULT_CHUNK_SIZE, as_token_lists, bucketed, check_context, compress_prefilled, policy_or_full, prefill_chunk_steps,
     run_to_end,
 )
-from kvjax.loading import Model
+from kvjax.models.loading import Model
 from kvjax.policies import LayerView, Policy
-from kvjax.state import KVState
+from kvjax.cache.state import KVState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +107,7 @@ def shared_prefill(
 
 def derive(model: Model, shared: SharedPrefill, policy: Policy | None) -> tuple[KVState, jax.Array]:
     """`policy`'s state after prefill, from a copy of the shared one: `(state, logits f32[B, V])`, ready for
-    `kvjax.generation.continue_rows` or `decode_step`. `shared` stays usable."""
+    `kvjax.engine.generation.continue_rows` or `decode_step`. `shared` stays usable."""
     policy = policy_or_full(policy)
     capture_for([policy])  # the chunk-schedule check
     state = jax.tree.map(jnp.copy, shared.state)

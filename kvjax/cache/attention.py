@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.state import KVState, gather_layer
+from kvjax.cache.state import KVState, gather_layer
 
 MASKED = -1e30  # finite, so fully masked rows (padding queries) stay NaN-free
 

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.compaction import push_free
-from kvjax.state import OVERFLOW_NONE, OVERFLOW_POOL, KVState
+from kvjax.cache.compaction import push_free
+from kvjax.cache.state import OVERFLOW_NONE, OVERFLOW_POOL, KVState
 
 # per-page fields copied with a page (the scales only exist for int8 pages)
 _PAGE_FIELDS = ("k_pages", "v_pages", "kmin", "kmax", "slot_pos", "slot_score", "k_scale", "v_scale")

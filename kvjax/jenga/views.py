@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.serving.layout import PoolLayout
+from kvjax.jenga.layout import PoolLayout
 
 
 def make_pool(layout: PoolLayout) -> jax.Array:

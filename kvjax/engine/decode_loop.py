@@ -1,12 +1,12 @@
 """Several decode steps per dispatch: sampling, EOS and the append step inside one jitted `while_loop`.
 
-The host loop of `kvjax.generation.continue_rows` returns to Python after every token to copy the sampled
+The host loop of `kvjax.engine.generation.continue_rows` returns to Python after every token to copy the sampled
 tokens out and test EOS. On a GPU or TPU that round trip costs more than a small model's step. Here one
 call runs up to `steps` (static) decode steps on the device:
 
     for each step, while some row is live (not done and below its own step limit):
-        append the live rows' pending tokens (the step of `kvjax.step`, with its policy), giving new logits
-        split the key and sample (`kvjax.sampling.sample_tokens`, the same split as the host loop)
+        append the live rows' pending tokens (the step of `kvjax.engine.step`, with its policy), giving new logits
+        split the key and sample (`kvjax.engine.sampling.sample_tokens`, the same split as the host loop)
         record each live row's token and log-probability (-1 and NaN for the others)
         rows that sampled an EOS token are done
 
@@ -31,10 +31,10 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax.config import ModelConfig
+from kvjax.models.config import ModelConfig
 from kvjax.policies import Policy
-from kvjax.sampling import sample_tokens
-from kvjax.state import KVState
+from kvjax.engine.sampling import sample_tokens
+from kvjax.cache.state import KVState
 
 
 class Dispatch(NamedTuple):

@@ -137,7 +137,7 @@ class _KVLayout(GroupSpec):
     @property
     def page_shape(self) -> tuple[int, ...]:
         # [layers, k/v, tokens, kv_heads, head_dim]: one layer's keys of a page are contiguous, the order
-        # the single-head pool of kvjax.state reads them in.
+        # the single-head pool of kvjax.cache.state reads them in.
         return (self.num_layers, 2, self.tokens_per_page, self.num_kv_heads, self.head_dim)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvjax.hashing import chain_hashes
-from kvjax.serving.page_pool import Journal, TwoLevelPagePool
-from kvjax.serving.specs import GroupSpec, base_hash_block_tokens, hit_alignment
+from kvjax.util.hashing import chain_hashes
+from kvjax.jenga.page_pool import Journal, TwoLevelPagePool
+from kvjax.jenga.specs import GroupSpec, base_hash_block_tokens, hit_alignment
 
 
 def longest_common_hit(

@@ -14,7 +14,7 @@ Lifecycle of a request, as an engine drives it (see docs/jenga.md):
     alloc.free(rid)                                           # pages become cached (evictable) or free
 
 Everything here is host-side Python; a device pool is only ever addressed through page ids and their
-byte offsets (kvjax.serving.layout; typed views of a device pool: kvjax.serving.views).
+byte offsets (kvjax.jenga.layout; typed views of a device pool: kvjax.jenga.views).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from kvjax.hashing import ROOT_HASH, chain_hashes
-from kvjax.serving.layout import PoolLayout
-from kvjax.serving.page_pool import CACHED, FREE, HELD_BY_RUNNING, LIVE, Journal, TwoLevelPagePool
-from kvjax.serving.prefix_cache import PrefixCache, PrefixHit
-from kvjax.serving.specs import BudgetedSpec, GroupSpec, validate_group_specs
+from kvjax.util.hashing import ROOT_HASH, chain_hashes
+from kvjax.jenga.layout import PoolLayout
+from kvjax.jenga.page_pool import CACHED, FREE, HELD_BY_RUNNING, LIVE, Journal, TwoLevelPagePool
+from kvjax.jenga.prefix_cache import PrefixCache, PrefixHit
+from kvjax.jenga.specs import BudgetedSpec, GroupSpec, validate_group_specs
 
 
 class RequestTooLargeError(ValueError):
@@ -180,7 +180,7 @@ class JengaAllocator:
     """Two-level page allocator with prefix caching for a set of heterogeneous layer groups.
 
     Args:
-        specs: the groups (kvjax.serving.specs); names must be unique.
+        specs: the groups (kvjax.jenga.specs); names must be unique.
         pool_bytes: size of the device pool; it holds pool_bytes // large_page_bytes large pages.
         large_page_bytes: default: choose_large_page_bytes(page sizes, max_large_page_ratio).
         enable_prefix_caching: cache full blocks (and budgeted snapshots) for reuse.

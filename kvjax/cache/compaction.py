@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.state import KVState, pages_for
+from kvjax.cache.state import KVState, pages_for
 
 
 def push_free(state: KVState, pages: jax.Array, release: jax.Array) -> KVState:

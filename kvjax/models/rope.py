@@ -13,7 +13,7 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig, RopeConfig
+from kvjax.models.config import ModelConfig, RopeConfig
 
 RopeInit = Callable[[RopeConfig, int, int, bool], tuple[np.ndarray, float]]
 ROPE_REGISTRY: dict[str, RopeInit] = {}

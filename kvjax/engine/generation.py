@@ -1,6 +1,6 @@
 """The public generation API and its host loops: chunked prefill, decode, generate, and the dense forward.
 
-The loops drive the jitted steps of `kvjax.step` (one step appends a chunk `[B, C]` to every layer and
+The loops drive the jitted steps of `kvjax.engine.step` (one step appends a chunk `[B, C]` to every layer and
 attends; C = 1 decodes) through a `StepBackend`: one device by default, a mesh from `kvjax.distributed`.
 """
 
@@ -14,20 +14,20 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from kvjax.attention import dense_causal_attention
-from kvjax.config import ModelConfig
-from kvjax.decode_loop import decode_steps
-from kvjax.loading import Model
+from kvjax.cache.attention import dense_causal_attention
+from kvjax.models.config import ModelConfig
+from kvjax.engine.decode_loop import decode_steps
+from kvjax.models.loading import Model
 from kvjax.models import CausalLM
 from kvjax.policies import FullPolicy, Policy
-from kvjax.rope import rope_frequencies, uses_long_factors
-from kvjax.rows import insert_row
-from kvjax.sampling import sample_first_tokens, validate_sampling
-from kvjax.state import CacheCapacityError, KVState, overflow_error, pages_for
-from kvjax.step import LOCAL_BACKEND, StepBackend, compressed_layer, new_window
+from kvjax.models.rope import rope_frequencies, uses_long_factors
+from kvjax.cache.rows import insert_row
+from kvjax.engine.sampling import sample_first_tokens, validate_sampling
+from kvjax.cache.state import CacheCapacityError, KVState, overflow_error, pages_for
+from kvjax.engine.step import LOCAL_BACKEND, StepBackend, compressed_layer, new_window
 
 DEFAULT_CHUNK_SIZE = 512
-DEFAULT_STEPS_PER_DISPATCH = 16  # decode steps per device call in generate (kvjax.decode_loop)
+DEFAULT_STEPS_PER_DISPATCH = 16  # decode steps per device call in generate (kvjax.engine.decode_loop)
 CAPACITY_BUCKET = 256  # default capacities round up to this many tokens, so nearby lengths share compiles
 
 
@@ -137,7 +137,7 @@ def forward_logits(model: Model, tokens) -> jax.Array:
 
 class PrefillCarry(NamedTuple):
     """What chunked prefill carries from one chunk to the next, after `tokens` prompt tokens: the state, the
-    window of last queries (`kvjax.step.new_window`, or None) and the logits `f32[B, V]` at the last token."""
+    window of last queries (`kvjax.engine.step.new_window`, or None) and the logits `f32[B, V]` at the last token."""
 
     state: KVState
     window: Any
@@ -214,13 +214,13 @@ def prefill_chunk_steps(
     """A generator yielding after every chunk's step (`prefill_row_steps`; `run_to_end` runs it through):
     `prefill_rows` up to, not including, the compression after prefill: every chunk appended (and, with a
     chunk schedule, compressed). Returns `(state, window, logits)`, `window` being the carry of the last
-    `policy.window_size` queries per layer (`kvjax.step.new_window`) or None.
+    `policy.window_size` queries per layer (`kvjax.engine.step.new_window`) or None.
 
     Prefix reuse (one row, a policy without a chunk schedule): `on_chunk(carry)` is called after every whole
     chunk with what the next chunk starts from (it must copy what it keeps: the next step donates the
     state), and `resume`, such a carry taken from a prompt with the same first `resume.tokens` tokens,
     starts the prefill there. The chunks are the ones a prefill from scratch runs (C from the whole
-    prompt), so the result equals it: only the physical pages differ (`kvjax.rows.insert_row`)."""
+    prompt), so the result equals it: only the physical pages differ (`kvjax.cache.rows.insert_row`)."""
     backend = backend or LOCAL_BACKEND
     cfg = model.cfg
     policy.validate(page_size)
@@ -356,7 +356,7 @@ def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None =
     The input state is donated (its buffers are reused); use the returned one. Raises `CacheCapacityError`
     when the cache is full. Inside a user's `jax.jit`, `lax.scan` or `lax.while_loop` (traced tokens or
     state) the host-side checks are skipped: the step is pure, and a full cache is left in the state's
-    capacity flag (`state.overflow[0] != 0`; `kvjax.state.overflow_error(state)` names it) for the caller
+    capacity flag (`state.overflow[0] != 0`; `kvjax.cache.state.overflow_error(state)` names it) for the caller
     to check after the loop. Tokens must then be in the vocabulary.
     """
     policy = policy_or_full(policy)
@@ -416,7 +416,7 @@ def generate(
     steps (Quest's protocol: the question arrives after compression). `eos_token_id` defaults to the model's.
     A request past the model's context (prompt plus `max_new_tokens`) is refused before any work unless
     `allow_longer_context`; `progress` shows a bar over the prefill chunks. `steps_per_dispatch` decode
-    steps run per call to the device (`kvjax.decode_loop`; results do not depend on it). `on_tokens` streams:
+    steps run per call to the device (`kvjax.engine.decode_loop`; results do not depend on it). `on_tokens` streams:
     see `continue_rows`.
     """
     rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
@@ -498,7 +498,7 @@ def continue_rows(
     """Generation from a prefilled (and compressed) state: feed each row's `tails[b]` by decode
     (`feed_tokens`; Quest's protocol for the question), then sample up to `max_new_tokens` per row, as
     `generate` does. The first token is sampled from the prefill's logits; the rest come from
-    `kvjax.decode_loop.decode_steps`, `steps_per_dispatch` decode steps (sampling and EOS included) per
+    `kvjax.engine.decode_loop.decode_steps`, `steps_per_dispatch` decode steps (sampling and EOS included) per
     call to the device, so the host waits once per dispatch rather than once per token.
 
     `on_tokens(t, tokens int32[B, n])` (streaming) sees each block of new tokens as it arrives, tokens

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvjax.serving.specs import GroupSpec, validate_group_specs
+from kvjax.jenga.specs import GroupSpec, validate_group_specs
 
 
 def choose_large_page_bytes(page_bytes: Sequence[int], max_ratio: int = 8) -> int:
@@ -46,7 +46,7 @@ class PoolLayout:
     Small page p of group g lives in large page p // pages_per_large[g] at byte offset
     (p % pages_per_large[g]) * page_bytes[g] inside it, so a group's pages are numbered
     0 .. num_large_pages * pages_per_large[g] - 1 and the typed view of the group is a reshape of the pool
-    (kvjax.serving.views). Bytes past the last whole small page of a large page are tail slack.
+    (kvjax.jenga.views). Bytes past the last whole small page of a large page are tail slack.
     """
 
     specs: tuple[GroupSpec, ...]

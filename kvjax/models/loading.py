@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig
+from kvjax.models.config import ModelConfig
 from kvjax.models import CausalLM, unstack_layers
 from kvjax.models.convert import CheckpointError, params_from_hf
 
@@ -23,7 +23,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 class Model:
     """A loaded model: its config, parameters (a pytree), the Flax module and the tokenizer (or None).
     `dtype` is the parameter and compute dtype; `kv_dtype` the KV pages' (None: `dtype`; "int8": int8
-    pages with one float32 scale per slot, see `kvjax.state.init_state`). `model.with_kv_dtype("int8")`
+    pages with one float32 scale per slot, see `kvjax.cache.state.init_state`). `model.with_kv_dtype("int8")`
     gives the same weights with int8 pages."""
 
     cfg: ModelConfig
@@ -175,13 +175,13 @@ def load_tokenizer(path: str | os.PathLike):
 
 def load_model(path: str | os.PathLike, dtype="float32", kv_dtype=None) -> Model:
     """Load a model: a local HF directory (`config.json`, safetensors, tokenizer), a `.gguf` file, "tiny" (the
-    model kvjax ships) or a registered name fetched with `kvjax fetch NAME` (see `kvjax.hub`).
+    model kvjax ships) or a registered name fetched with `kvjax fetch NAME` (see `kvjax.models.hub`).
 
     `dtype` ("float32", "bfloat16", "float16") is the parameter and compute dtype; attention softmax and
     logits are float32. `kv_dtype` (None = `dtype`, "float32", "bfloat16" or "int8") is the KV pages' dtype. Raises `CheckpointError` naming missing, unexpected or mis-shaped tensors, or an
     unreadable file; `FileNotFoundError` for a missing path or a registered model not fetched yet.
     """
-    from kvjax.hub import resolve_model
+    from kvjax.models.hub import resolve_model
 
     path = resolve_model(path)
     if path.lower().endswith(".gguf") and os.path.isfile(path):
@@ -193,7 +193,7 @@ def load_model(path: str | os.PathLike, dtype="float32", kv_dtype=None) -> Model
         if not os.path.isdir(path):
             raise FileNotFoundError(
                 f"model {path!r} does not exist (kvjax loads a local Hugging Face directory, a .gguf file, 'tiny' "
-                "or a name registered in kvjax.hub; see `kvjax fetch --list`)"
+                "or a name registered in kvjax.models.hub; see `kvjax fetch --list`)"
             )
         cfg = ModelConfig.from_pretrained(path)
         tensors, tokenizer = read_safetensors(path), load_tokenizer(path)

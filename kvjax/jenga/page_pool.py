@@ -3,7 +3,7 @@ every small page (free, live with a refcount, or cached and evictable in LRU ord
 
 Every mutation is recorded in a `Journal` while one is open, so an allocation that fails half-way (or a
 dry run) is undone exactly and leaves the pool as it was. Policy (which page to take, what to evict) lives
-in kvjax.serving.allocator; this module only keeps the books.
+in kvjax.jenga.allocator; this module only keeps the books.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from typing import Callable
 
-from kvjax.serving.layout import PoolLayout
+from kvjax.jenga.layout import PoolLayout
 
 FREE, LIVE, CACHED = "free", "live", "cached"
 

@@ -11,7 +11,7 @@ the depth. A segment is a run of layers alike in everything the step decides at 
 the layer reads); inside it the layer index is traced and the policy's per-layer numbers (PyramidKV's
 budgets, Locret's heads) are data indexed by it.
 
-The host loops (`kvjax.generation`) drive these steps through a `StepBackend`: `LOCAL_BACKEND` here for one
+The host loops (`kvjax.engine.generation`) drive these steps through a `StepBackend`: `LOCAL_BACKEND` here for one
 device, `kvjax.distributed` for a mesh (its steps reuse `append_and_attend`, `layer_view`,
 `layer_roles`, `decode_victim`, `over_decode_budget` and `forward_chunk` per shard).
 """
@@ -24,13 +24,13 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import attention_column_sums, blocked_paged_attention, decode_attention, read_slots
-from kvjax.compaction import compact_layer, evict_one_slot
-from kvjax.config import ModelConfig
+from kvjax.cache.attention import attention_column_sums, blocked_paged_attention, decode_attention, read_slots
+from kvjax.cache.compaction import compact_layer, evict_one_slot
+from kvjax.models.config import ModelConfig
 from kvjax.models import CausalLM, Segment, segments_by
 from kvjax.policies import LayerView, Policy
-from kvjax.rope import rope_frequencies
-from kvjax.state import (
+from kvjax.models.rope import rope_frequencies
+from kvjax.cache.state import (
     KVState,
     add_slot_scores,
     allocate_for_append,
@@ -345,7 +345,7 @@ def compress_step(
 class StepBackend(NamedTuple):
     """Where the host loop's state lives and which jitted steps advance it: one device (`LOCAL_BACKEND`) or a
     device mesh (`kvjax.distributed`, which stacks one state per shard). The prefill, decode and generate
-    loops of `kvjax.generation` are written once against it."""
+    loops of `kvjax.engine.generation` are written once against it."""
 
     new_state: Callable[..., KVState]  # (cfg, B, capacity, page_size, num_pages, dtype, long_rope, read_pages)
     append_step: Callable  # `append_step`'s signature
