@@ -54,8 +54,20 @@ def kernels(backend):
     }
 
 
-def lower_text(fn, args, platform):
-    return jax.jit(fn).trace(args).lower(lowering_platforms=(platform,)).as_text()
+def lower_text(kernel, backend, args, platform):
+    """`kernel` of `backend` lowered for `platform`, as text, once its lowered program is checked to return what
+    the XLA path (the kernels' reference) returns for the same inputs: the same outputs, shapes and dtypes."""
+    lowered = jax.jit(kernels(backend)[kernel]).trace(args).lower(lowering_platforms=(platform,))
+    expected = jax.eval_shape(kernels("xla")[kernel], args)
+    assert jax.tree.structure(lowered.out_info) == jax.tree.structure(expected), kernel
+    for got, want in zip(jax.tree.leaves(lowered.out_info), jax.tree.leaves(expected)):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype), f"{kernel} on {backend}: {got} != {want}"
+    return lowered.as_text()
+
+
+def assert_one_mosaic_kernel(text, kernel):
+    """One Mosaic custom call, and it is `kernel`'s own (not another kernel's, not the XLA path)."""
+    assert text.count("tpu_custom_call") == 1 and f'kernel_name = "{kernel}"' in text, kernel
 
 
 @pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode", "quest_page_scores"])
@@ -65,15 +77,15 @@ def test_gpu_kernels_lower_to_triton(kernel, dtype):
 
     if triton_compiler_params() is None:
         pytest.skip("this JAX has no Pallas Triton backend")
-    text = lower_text(kernels("pallas_gpu")[kernel], abstract_args(dtype, per_kv_head=False), "cuda")
+    text = lower_text(kernel, "pallas_gpu", abstract_args(dtype, per_kv_head=False), "cuda")
     assert "triton" in text
 
 
 @pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode", "quest_page_scores"])
 @pytest.mark.parametrize("dtype, per_kv_head", [(jnp.float32, False), (jnp.bfloat16, True)])
 def test_tpu_kernels_lower_to_mosaic(simulated_tpu, kernel, dtype, per_kv_head):
-    text = lower_text(kernels("pallas_tpu")[kernel], abstract_args(dtype, per_kv_head), "tpu")
-    assert "tpu_custom_call" in text
+    text = lower_text(kernel, "pallas_tpu", abstract_args(dtype, per_kv_head), "tpu")
+    assert_one_mosaic_kernel(text, kernel)
 
 
 @pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode"])
@@ -82,15 +94,15 @@ def test_int8_decode_kernels_lower_to_triton(kernel):
 
     if triton_compiler_params() is None:
         pytest.skip("this JAX has no Pallas Triton backend")
-    text = lower_text(kernels("pallas_gpu")[kernel], abstract_args(jnp.float32, False, jnp.int8), "cuda")
+    text = lower_text(kernel, "pallas_gpu", abstract_args(jnp.float32, False, jnp.int8), "cuda")
     assert "triton" in text
 
 
 @pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode"])
 @pytest.mark.parametrize("dtype, per_kv_head", [(jnp.float32, False), (jnp.bfloat16, True)])
 def test_int8_decode_kernels_lower_to_mosaic(simulated_tpu, kernel, dtype, per_kv_head):
-    text = lower_text(kernels("pallas_tpu")[kernel], abstract_args(dtype, per_kv_head, jnp.int8), "tpu")
-    assert "tpu_custom_call" in text
+    text = lower_text(kernel, "pallas_tpu", abstract_args(dtype, per_kv_head, jnp.int8), "tpu")
+    assert_one_mosaic_kernel(text, kernel)
 
 
 @pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode"])
@@ -101,5 +113,5 @@ def test_decode_kernels_lower_to_mosaic_gpu(kernel, dtype):
 
     if not has_mosaic_gpu():
         pytest.skip("this JAX has no jax.experimental.pallas.mosaic_gpu")
-    text = lower_text(kernels("pallas_mosaic_gpu")[kernel], abstract_args(dtype, per_kv_head=False), "cuda")
+    text = lower_text(kernel, "pallas_mosaic_gpu", abstract_args(dtype, per_kv_head=False), "cuda")
     assert "mosaic_gpu" in text

@@ -131,13 +131,26 @@ def test_quest_decode_reads_only_the_selected_pages(model, dense_layers):
 
 
 def test_compose_evicts_then_selects(model):
+    """Compose(evict=SnapKV, select=Quest) keeps what SnapKV alone keeps, and its decode step reads what Quest
+    selects from that evicted cache: the logits of Quest decoding SnapKV's state, not SnapKV's dense read."""
+    from kvjax.cache.compaction import kept_positions
+
     prompt = random_tokens(9, (1, 160))
-    policy = Compose(evict=kvjax.make_policy("snapkv", token_budget=96, window=16),
-                     select=kvjax.make_policy("quest", token_budget=32, dense_layers=0))
+    snapkv = kvjax.make_policy("snapkv", token_budget=96, window=16)
+    quest = kvjax.make_policy("quest", token_budget=32, dense_layers=0)
+    policy = Compose(evict=snapkv, select=quest)
     out = kvjax.generate(model, prompt, max_new_tokens=5, policy=policy)
     assert out.shape == (1, 5) and np.all(out >= 0)
     state, _ = kvjax.prefill(model, prompt, policy=policy)
+    evicted, _ = kvjax.prefill(model, prompt, policy=snapkv)
     assert int(np.asarray(state.lengths).max()) == 96
+    np.testing.assert_array_equal(kept_positions(state), kept_positions(evicted))
+    token = np.array([5])  # decode_step consumes its state: each read gets its own prefill
+    composed, _ = kvjax.decode_step(model, state, token, policy=policy)
+    selected, _ = kvjax.decode_step(model, evicted, token, policy=quest)
+    dense, _ = kvjax.decode_step(model, kvjax.prefill(model, prompt, policy=snapkv)[0], token, policy=snapkv)
+    np.testing.assert_allclose(np.asarray(composed), np.asarray(selected), atol=1e-5)
+    assert np.abs(np.asarray(composed) - np.asarray(dense)).max() > 1e-3  # the selection matters here
 
 
 def test_compose_refuses_parts_in_the_wrong_role(model):

@@ -156,19 +156,27 @@ def test_aux_scores_are_the_last_layer_attention_from_the_query(llama):
 
 
 def test_cacheclip_recomputes_the_budget_with_any_aux(llama):
+    """CacheClip recomputes exactly the round(ratio x chunk tokens) chunk slots its auxiliary model scores
+    highest (top tokens, or whole windows with grouping), whichever auxiliary model it is given: the main
+    model's first layer, or a separately made model (other weights, same tokenizer) with its own chunk store,
+    whose choice differs."""
     prefix, chunks, query = request(7)
     store = ChunkStore(llama)
-    result = rag_prefill(llama, store, prefix, chunks, query, "cacheclip", ratio=0.25)
-    assert len(result.recomputed) == round(0.25 * 72)
-    # a separately made auxiliary model (other weights, same tokenizer) with its own chunk store
     other = random_model(rope_config("llama3", num_layers=1), seed=9)
-    separate = rag_prefill(llama, store, prefix, chunks, query, "cacheclip", ratio=0.25,
-                           aux=AuxScorer(other), aux_store=ChunkStore(other))
-    assert len(separate.recomputed) == len(result.recomputed)
-    assert kvjax.decode_step(llama, separate.state, [1])[0].shape == (1, llama.cfg.vocab_size)
+    aux_store = ChunkStore(other)
     ctx = assemble(llama, store, prefix, chunks, query)
-    chosen = cacheclip_prefill(llama, ctx, AuxScorer.truncated(llama, 1), ratio=0.5, grouping=False).recomputed
-    assert len(chosen) == 36 and np.all(np.isin(chosen, ctx.chunk_slots))
+    aux_ctx = assemble(other, aux_store, prefix, chunks, query, long_rope=ctx.long_rope)
+    own, separate = AuxScorer.truncated(llama, 1), AuxScorer(other)
+    scores = {"own": own.scores(ctx), "separate": separate.scores(ctx, aux_ctx)}
+    budget, slots = round(0.25 * 72), ctx.chunk_slots
+    for name, aux, extra in (("own", own, {}), ("separate", separate, {"aux_store": aux_store})):
+        for grouping, choose in ((False, top_tokens), (True, group_windows)):
+            result = rag_prefill(llama, store, prefix, chunks, query, "cacheclip", ratio=0.25, aux=aux,
+                                 grouping=grouping, **extra)
+            np.testing.assert_array_equal(np.sort(result.recomputed), slots[choose(scores[name], budget)],
+                                          err_msg=f"aux={name}, grouping={grouping}")
+    assert set(slots[top_tokens(scores["own"], budget)]) != set(slots[top_tokens(scores["separate"], budget)])
+    assert kvjax.decode_step(llama, result.state, [1])[0].shape == (1, llama.cfg.vocab_size)
 
 
 def test_an_assembled_rag_request_is_served_by_the_batch_engine(llama):
