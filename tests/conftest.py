@@ -13,8 +13,11 @@ os.environ["KVJAX_COMPILATION_CACHE"] = "off"
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+# torch is a dev dependency for the transformers references only: the suite's torch-free tests run without
+# it, and each test that needs a reference model skips, naming torch, where it is absent
+# (`build_hf_model`, the `hf_models` fixture; modules that import torch themselves skip with
+# `pytest.importorskip`).
+import transformers
 
 VOCAB = 97
 
@@ -108,6 +111,7 @@ MODEL_CLASSES = {"phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama"
 
 def build_hf_model(name: str, seed: int = 0):
     """A tiny random HF model in float32, eval mode. Weights drawn wider than HF's init so logits differ."""
+    torch = pytest.importorskip("torch", reason="the transformers reference models need torch (the dev extra)")
     torch.manual_seed(seed)
     config = CONFIGS[name]()
     cls = getattr(transformers, MODEL_CLASSES[config.model_type])

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="compares with transformers, which runs on torch (the dev extra)")
 
 import kvjax
 from kvjax.models import hub

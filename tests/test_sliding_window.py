@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="compares with transformers, which runs on torch (the dev extra)")
 
 import kvjax
 from conftest import random_tokens
