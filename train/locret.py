@@ -9,7 +9,7 @@ Data: LongAlpaca's fields (`instruction`, `output`) from the hub or a local json
 bad rows are skipped and counted. `--data kvjax:real-text` builds the offline recipe in memory with the
 model's tokenizer (`kvjax.tasks.longalpaca.real_text_rows`: spans of long real text to continue or quote;
 `python -m train.locret_data` writes the same rows to a file). Each step computes labels through kvjax's
-chunked-prefill forward of the frozen model and takes one AdamW step on the heads (DESIGN.md's defaults:
+chunked-prefill forward of the frozen model and takes one AdamW step on the heads (Locret's paper's defaults:
 lr 5e-4, betas 0.9 / 0.95, warm-up 2000 of 3000 steps, clip by value 0.5, batch 1, sequences cut to 10240
 tokens).
 
