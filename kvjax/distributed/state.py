@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kvjax.models.config import ModelConfig
@@ -103,14 +104,27 @@ def shard_of(state: KVState, d: int, m: int) -> KVState:
     return jax.tree.map(lambda x: x[d, m], state)
 
 
+def to_host(tree):
+    """numpy copies of a pytree's arrays. An array no single process can address (a multi-process mesh,
+    sharded) is gathered from every process (`multihost_utils.process_allgather`, a collective: every
+    process must call this at the same point, as SPMD code does)."""
+
+    def one(x):
+        if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)
+
+
 def sharded_overflow_error(state: KVState):
     """The `CacheCapacityError` of the first shard whose step overflowed, or None (one small device read).
     Its page counts are that shard's pool: each shard allocates from its own pages."""
-    codes = np.asarray(jax.device_get(state.overflow))  # [Sd, Sm, 3]
+    codes = to_host(state.overflow)  # [Sd, Sm, 3]
     failed = np.argwhere(codes[..., 0] != 0)
     if failed.size == 0:
         return None
     d, m = (int(i) for i in failed[0])
-    error = overflow_error(shard_of(state, d, m))
+    error = overflow_error(shard_of(to_host(state), d, m))
     error.args = (f"{error.args[0]} (in shard data={d}, model={m} of its own pool)",)
     return error

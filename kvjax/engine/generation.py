@@ -515,7 +515,7 @@ def continue_rows(
     out_logprobs = np.full((B, max_new_tokens), np.nan, np.float32)
     key, step_key = jax.random.split(jax.random.PRNGKey(seed))
     pending, logprobs = sample_first_tokens(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)
-    out[:, 0], out_logprobs[:, 0] = np.asarray(pending), np.asarray(logprobs)
+    out[:, 0], out_logprobs[:, 0] = backend.fetch(pending), backend.fetch(logprobs)
     done = np.isin(out[:, 0], eos_array)
     done_device, eos_device = jnp.asarray(done), jnp.asarray(eos_array)
     stopped = on_tokens is not None and bool(on_tokens(0, out[:, :1]))
@@ -528,9 +528,9 @@ def continue_rows(
         )
         state, logits, pending, key, done_device = run.state, run.logits, run.pending, run.key, run.done
         count = int(run.count)
-        out[:, t : t + count] = np.asarray(run.tokens)[:, :count]
-        out_logprobs[:, t : t + count] = np.asarray(run.logprobs)[:, :count]
-        done = np.asarray(done_device)
+        out[:, t : t + count] = backend.fetch(run.tokens)[:, :count]
+        out_logprobs[:, t : t + count] = backend.fetch(run.logprobs)[:, :count]
+        done = backend.fetch(done_device)
         stopped = on_tokens is not None and bool(on_tokens(t, out[:, t : t + count]))
         t += count
     error = backend.overflow_error(state)

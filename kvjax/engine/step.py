@@ -12,12 +12,13 @@ the layer reads); inside it the layer index is traced and the policy's per-layer
 budgets, Locret's heads) are data indexed by it.
 
 The host loops (`kvjax.engine.generation`) drive these steps through a `StepBackend`: `LOCAL_BACKEND` here for one
-device, `kvjax.distributed` for a mesh (its steps reuse `append_and_attend`, `layer_view`,
-`layer_roles`, `decode_victim`, `over_decode_budget` and `forward_chunk` per shard).
+device, `kvjax.distributed` for a mesh. A mesh runs these same steps with another `placement`: their page
+work per shard under `shard_map`, the policy's decisions on the whole view (`OneDevice`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -248,49 +249,126 @@ def scan_layers(body: Callable[[Any, Any], Any], carry, start: int, stop: int):
     return carry
 
 
+# ------------------------------------------------------------------------------------------ placement
+
+# Layouts of the arrays the step hands to its page work, one letter per axis: b batch rows, h heads (kv or
+# query), c chunk tokens, s slots, d head dim; "" a scalar, "state" a whole KVState. One device ignores them;
+# a mesh (`kvjax.distributed`) splits b over "data" and h over "model".
+VIEW_LAYOUTS = {"k": "bhsd", "slot_pos": "bhs", "valid": "bhs", "slot_score": "bhs", "lengths": "bh", "q": "bhd",
+                "row_max": "bh", "row_sum": "bh", "read": "bhsd"}
+SLOT_FIELDS = ("k", "slot_pos", "valid", "slot_score", "lengths")  # a LayerView's [B, H, ...] slot arrays
+# KVState fields `allocate_for_append` changes besides `overflow` (restored when another shard failed)
+_ALLOCATION_FIELDS = ("page_table", "num_free", "refcount", "kmin", "kmax", "slot_pos", "slot_score")
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDevice:
+    """Where the steps' state lives: here one whole `KVState` on one device. Every call that reads or writes
+    pages goes through `per_shard(fn, in_layouts, out_layouts)`; a policy's decisions (`compress_layer`,
+    `decode_scores`) run outside it on the whole `LayerView`. `kvjax.distributed.MeshPlacement` runs the
+    same calls per shard of a stacked state under `shard_map`, so the steps below are written once."""
+
+    sharded = False
+
+    def per_shard(self, fn: Callable, in_layouts: tuple, out_layouts) -> Callable:
+        return fn
+
+    def all_shards(self, ok: jax.Array) -> jax.Array:
+        """Inside `per_shard`: whether `ok` holds on every shard."""
+        return ok
+
+    def next_position(self, state: KVState) -> jax.Array:
+        """int32[B]: each sequence's next position."""
+        return state.next_position
+
+    def with_next_position(self, state: KVState, seen: jax.Array) -> KVState:
+        return state.replace(next_position=seen)
+
+
+ONE_DEVICE = OneDevice()
+
+
+def _allocate(state: KVState, num_new, *, C: int, placement: OneDevice):
+    """`allocate_for_append` with one rule kept across shards: a step appends everywhere or nowhere (a shard
+    that got its pages while another could not gives them back). Returns `(state, num_new or 0)`."""
+    new, ok = allocate_for_append(state, num_new, C)
+    if placement.sharded:
+        ok = placement.all_shards(ok)
+        new = new.replace(**{f: jnp.where(ok, getattr(new, f), getattr(state, f)) for f in _ALLOCATION_FIELDS})
+    return new, jnp.where(ok, num_new, 0)
+
+
+def _view_parts(state: KVState, layer, next_position, *, num_layers: int) -> dict:
+    view = layer_view(state, layer, num_layers, next_position)
+    return {name: getattr(view, name) for name in SLOT_FIELDS}
+
+
+def _evict(state: KVState, layer, victim, keys, *, policy: Policy) -> KVState:
+    return evict_one_slot(state, layer, victim, over_decode_budget(state, layer, policy), keys)
+
+
 # ---------------------------------------------------------------------------------------------- steps
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "policy"), donate_argnames=("state", "window"))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "dtype", "policy", "placement"), donate_argnames=("state", "window")
+)
 def append_step(
     params, state: KVState, window, tokens, num_new, last_logits, policy_params=None, *, cfg: ModelConfig, dtype,
-    policy: Policy,
+    policy: Policy, placement: OneDevice = ONE_DEVICE,
 ):
     """Append `tokens int32[B, C]` (the first `num_new int32[B]` of each row are real) to every layer and
     attend. `params` is the model's parameter tree, `window` the prefill carry (`new_window`, or None),
     `last_logits f32[B, V]` the logits to keep for rows with nothing new, `policy_params` the arrays of the
-    policy's chunk schedule (`policy.chunks.params`, Locret's heads) in prefill, else None.
+    policy's chunk schedule (`policy.chunks.params`, Locret's heads) in prefill, else None. `placement`:
+    where the state lives (`OneDevice`, or a mesh's stacked state, `kvjax.distributed.MeshPlacement`).
 
     C = 1 is a decode step: the policy's page selection and decode-time eviction apply. Returns the state,
     the window carry and logits `f32[B, V]` at each row's last real token.
     """
     B, C = tokens.shape
     decoding = C == 1
-    positions = state.next_position[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
-    state, ok = allocate_for_append(state, num_new, C)
-    num_new = jnp.where(ok, num_new, 0)
-    seen = state.next_position + num_new
+    on_shards = placement.per_shard
+    positions = placement.next_position(state)[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    allocate = functools.partial(_allocate, C=C, placement=placement)
+    state, num_new = on_shards(allocate, ("state", "b"), ("state", "b"))(state, num_new)
+    seen = placement.next_position(state) + num_new
+    chunk = ("bchd", "bchd", "bchd", "bc", "b", "b")  # q, k, v, positions, num_new, seen
 
     def attend_for(start: int, stop: int) -> LayerAttend:
         roles = layer_roles(policy, start, decoding)
-        window = cfg.windows[start]
+        sliding = cfg.windows[start]
+        # the view a decode-time eviction decides on: slots, and the step's attention statistics
+        fields = SLOT_FIELDS + ("q", "row_max", "row_sum") + (("read",) if roles.selects else ()) if roles.evict else ()
+
+        def in_window(st, layer, q, k, v, pos, n, next_position):
+            return append_and_attend_window(st, layer, q, k, v, pos, n, window=sliding, decoding=decoding,
+                                            next_position=next_position)
+
+        # the traced layer index enters a shard as an argument, not by closure
+        def local(st, layer, q, k, v, pos, n, next_position, score=None):
+            st, out, view = append_and_attend(
+                st, layer, q, k, v, pos, n, policy=policy, decoding=decoding, selects=roles.selects,
+                accumulate=roles.accumulate, evict=roles.evict, score=score, num_layers=cfg.num_layers,
+                next_position=next_position,
+            )
+            return st, out, {name: getattr(view, name) for name in fields}
 
         def attend(layer, inputs, state):
-            if window:
-                state, out = append_and_attend_window(
-                    state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, window=window,
-                    decoding=decoding, next_position=seen,
-                )
+            args = (state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, seen)
+            if sliding:
+                state, out = on_shards(in_window, ("state", "") + chunk, ("state", "bchd"))(*args)
                 return out, state
-            score = roles.chunks.score(layer, inputs, policy_params) if roles.chunks is not None else None
-            state, out, view = append_and_attend(
-                state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, policy=policy,
-                decoding=decoding, selects=roles.selects, accumulate=roles.accumulate, evict=roles.evict,
-                score=score, num_layers=cfg.num_layers, next_position=seen,
-            )
-            if view is not None:
-                state = evict_one_slot(
-                    state, layer, decode_victim(policy, view), over_decode_budget(state, layer, policy), view.k
+            layouts = ("state", "") + chunk
+            if roles.chunks is not None:  # a per-token score (Locret's heads read every head's features)
+                args, layouts = args + (roles.chunks.score(layer, inputs, policy_params),), layouts + ("bch",)
+            out_layouts = ("state", "bchd", {name: VIEW_LAYOUTS[name] for name in fields})
+            state, out, parts = on_shards(local, layouts, out_layouts)(*args)
+            if roles.evict:
+                view = LayerView(layer=layer, num_layers=cfg.num_layers, next_position=seen, **parts)
+                evict = functools.partial(_evict, policy=policy)
+                state = on_shards(evict, ("state", "", "bh", "bhsd"), "state")(
+                    state, layer, decode_victim(policy, view), view.k
                 )
             return out, state
 
@@ -299,7 +377,7 @@ def append_step(
     state, window, logits = forward_chunk(
         params, cfg, dtype, policy, tokens, positions, num_new, last_logits, state, window, attend_for
     )
-    return state.replace(next_position=seen), window, logits
+    return placement.with_next_position(state, seen), window, logits
 
 
 def compressed_layer(policy: Policy, layer: int, windows: tuple = ()) -> bool:
@@ -316,24 +394,33 @@ def compress_segments(policy: Policy, state: KVState, num_layers: int, windows: 
 
 
 @functools.partial(
-    jax.jit, static_argnames=("num_layers", "policy", "keep_bound", "read_pages", "windows"), donate_argnames=("state",)
+    jax.jit, static_argnames=("num_layers", "policy", "keep_bound", "read_pages", "windows", "placement"),
+    donate_argnames=("state",),
 )
 def compress_step(
     state: KVState, window, final=None, *, num_layers: int, policy: Policy, keep_bound: int, read_pages: tuple | None,
-    windows: tuple = (),
+    windows: tuple = (), placement: OneDevice = ONE_DEVICE,
 ):
     """Apply the policy's keep sets (at most `keep_bound` slots per head, static; a per-layer budget below
     it, PyramidKV's, is data) to every compressed layer (none inside a sliding window of `windows`), then
     bound each layer's pages to `read_pages`. `window` is the prefill carry; `final bool[B]` (per-chunk
-    compression): whether this was each sequence's last prefill chunk."""
+    compression): whether this was each sequence's last prefill chunk. The policy decides on each layer's
+    whole view; the pages are compacted where they live (`placement`, as in `append_step`)."""
+    next_position = placement.next_position(state)
+    view_parts = placement.per_shard(
+        functools.partial(_view_parts, num_layers=num_layers), ("state", "", "b"),
+        {name: VIEW_LAYOUTS[name] for name in SLOT_FIELDS},
+    )
+    compact = placement.per_shard(compact_layer, ("state", "", "bhs", "bh"), "state")
     for start, stop in compress_segments(policy, state, num_layers, windows):
 
         def body(state, layer, start=start, stop=stop):
             local = state.for_layers(start, stop)
             extra = {} if window is None else {"window_q": window["q"][layer], "window_pos": window["pos"]}
-            view = layer_view(local, layer, num_layers, state.next_position, final_chunk=final, **extra)
+            view = LayerView(layer=layer, num_layers=num_layers, next_position=next_position, final_chunk=final,
+                             **view_parts(local, layer, next_position), **extra)
             keep_slots, keep_count = policy.compress_layer(view, keep_bound)
-            return compact_layer(local, layer, keep_slots, keep_count).replace(read_pages=state.read_pages)
+            return compact(local, layer, keep_slots, keep_count).replace(read_pages=state.read_pages)
 
         state = scan_layers(body, state, start, stop)
     return state.replace(read_pages=read_pages)
@@ -352,6 +439,7 @@ class StepBackend(NamedTuple):
     compress_step: Callable  # `compress_step`'s signature
     overflow_error: Callable[[KVState], Exception | None]
     put: Callable[[Any], jax.Array]  # a host array with a leading batch axis -> a device array
+    fetch: Callable[[jax.Array], Any] = jax.device_get  # a step's output -> host numpy (on a mesh: gathered)
 
 
 def local_state(cfg, batch, capacity, page_size, num_pages, dtype, long_rope, read_pages) -> KVState:
@@ -366,6 +454,10 @@ LOCAL_BACKEND = StepBackend(local_state, append_step, compress_step, overflow_er
 __all__ = [
     "LOCAL_BACKEND",
     "LayerRoles",
+    "ONE_DEVICE",
+    "OneDevice",
+    "SLOT_FIELDS",
+    "VIEW_LAYOUTS",
     "StepBackend",
     "append_and_attend",
     "append_and_attend_window",
