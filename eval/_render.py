@@ -6,6 +6,7 @@ A rendered block in a Markdown file is
     ...the text `render(payload)` of that program gives for that JSON...
     <!-- end render -->
 
+(`eval._tables:dispatch` names a function other than `render`; `a.json,b.json` hands it a list.)
 `python -m eval._render` rewrites every block from its JSON; `tests/test_rendered.py` fails when a block
 differs from what its JSON renders to.
 """
@@ -28,10 +29,16 @@ def markdown_files(root: str = ROOT) -> list[str]:
 
 
 def rendered(module: str, json_path: str, root: str = ROOT) -> str:
-    """The text program `module` (e.g. `eval.bench_decode`) renders for the committed JSON `json_path`."""
+    """The text program `module` (e.g. `eval.bench_decode`, or `eval._tables:dispatch` for a function other
+    than `render`) renders for the committed JSON `json_path` (several, comma-separated: a list of them)."""
+    module, _, function = module.partition(":")
     program = importlib.import_module("kvjax." + module if module.startswith("eval.") else module)
-    with open(os.path.join(root, json_path)) as f:
-        return program.render(json.load(f)).strip() + "\n"
+    payloads = []
+    for path in json_path.split(","):
+        with open(os.path.join(root, path)) as f:
+            payloads.append(json.load(f))
+    payload = payloads[0] if len(payloads) == 1 else payloads
+    return getattr(program, function or "render")(payload).strip() + "\n"
 
 
 def blocks(text: str) -> list[tuple[str, str, str]]:

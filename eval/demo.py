@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 DEMO_POLICIES = ("full", "quest", "quest_static", "snapkv", "ada_snapkv", "h2o", "streaming")
@@ -86,11 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policies", nargs="+", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--corpus", default=None, metavar="DIR",
+                        help="real-text tasks' text: a directory of .txt files or one file (default: $KVJAX_CORPUS, "
+                             "else Debian's licence texts in /usr/share/common-licenses)")
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.corpus is not None:  # read by kvjax.tasks.real_text.load_corpus wherever a task is built
+        os.environ["KVJAX_CORPUS"] = args.corpus
     result = run_demo(args.model, args.length, args.budget, args.samples, args.records, args.policies,
                       args.seed, args.json)
     if args.json:

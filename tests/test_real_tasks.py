@@ -103,8 +103,25 @@ def test_load_corpus_errors_name_the_input(tmp_path, corpus):
         rt.load_corpus(tmp_path / "empty")
     with pytest.raises(ValueError, match="min_chars"):
         rt.load_corpus(corpus.sources[0], min_chars=10**9)
-    with pytest.raises(FileNotFoundError, match="path="):
+    with pytest.raises(FileNotFoundError, match="--corpus DIR.*KVJAX_CORPUS=DIR.*path="):
         rt.common_licenses_corpus(str(tmp_path / "nothing"))
+
+
+def test_kvjax_corpus_names_a_directory_of_the_users_text(tmp_path, monkeypatch, corpus):
+    books = tmp_path / "books"
+    books.mkdir()
+    (books / "a.txt").write_text("The first book's only sentence is long enough to keep. " * 20)
+    (books / "notes.bin").write_text("not text")
+    monkeypatch.setenv("KVJAX_CORPUS", str(books))
+    assert [d.name for d in rt.load_corpus().documents] == ["a.txt"]
+    monkeypatch.setenv("KVJAX_CORPUS", str(tmp_path / "gone"))
+    with pytest.raises(FileNotFoundError, match="KVJAX_CORPUS="):
+        rt.load_corpus()
+    monkeypatch.delenv("KVJAX_CORPUS")
+    monkeypatch.setattr(rt, "COMMON_LICENSES_DIR", str(tmp_path / "no-licences"))
+    monkeypatch.setattr(rt.common_licenses_corpus, "__defaults__", (str(tmp_path / "no-licences"),))
+    with pytest.raises(FileNotFoundError, match="no real-text corpus.*--corpus DIR"):
+        rt.load_corpus()
 
 
 @pytest.mark.skipif(not os.path.isdir(rt.COMMON_LICENSES_DIR), reason="no Debian licence texts here")

@@ -3,8 +3,9 @@ the haystacks and texts of the real-model tasks (`kvjax.tasks.needles`).
 
 Sources, in the order `load_corpus` takes them:
 
-- a text file or a directory of `.txt` files the caller names (`path=`), e.g. PG19 books (Project
-  Gutenberg's header and footer are cut when present);
+- a text file or a directory of `.txt` files the caller names (`path=`; `kvjax demo --corpus DIR`), e.g.
+  PG19 books (Project Gutenberg's header and footer are cut when present);
+- the same named by the environment variable `KVJAX_CORPUS` (every program that builds real-text tasks);
 - Debian's licence texts, `/usr/share/common-licenses` (package `base-files`, on every Debian and Ubuntu
   machine): GPL-1/2/3, LGPL-2/2.1/3, GFDL-1.2/1.3, Apache-2.0, Artistic, BSD, CC0-1.0, MPL-1.1/2.0,
   about 264 KB. Symbolic links are skipped, the newest version of a licence family is read first, and a
@@ -35,6 +36,7 @@ from typing import Sequence
 import numpy as np
 
 COMMON_LICENSES_DIR = "/usr/share/common-licenses"
+CORPUS_ENV = "KVJAX_CORPUS"  # a text file or a directory of .txt files used instead of the licence texts
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 _RULE_LINE = re.compile(r"^\s*[-=_*~#]{3,}\s*$")
 _GUTENBERG_START = re.compile(r"^\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*$", re.M | re.I)
@@ -164,8 +166,9 @@ def common_licenses_corpus(directory: str = COMMON_LICENSES_DIR) -> Corpus:
     """Debian's licence texts (see the module docstring), cleaned and de-duplicated."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(
-            f"no licence texts at {directory!r} (Debian's base-files package puts them there); "
-            "pass path= a text file or a directory of .txt files instead"
+            f"no real-text corpus: the default, Debian's licence texts, is not at {directory!r} (the base-files "
+            f"package of Debian and Ubuntu puts it there). Name your own: a text file or a directory of .txt "
+            f"files, as `--corpus DIR` (kvjax demo), {CORPUS_ENV}=DIR (any program) or path= (the Python API)"
         )
     names = sorted((n for n in os.listdir(directory) if not os.path.islink(os.path.join(directory, n))),
                    key=_version_key)
@@ -200,7 +203,12 @@ def text_files_corpus(path: str | os.PathLike) -> Corpus:
 
 
 def load_corpus(path: str | os.PathLike | None = None, min_chars: int = 0) -> Corpus:
-    """The user's text at `path`, else Debian's licence texts; raises when it holds under `min_chars`."""
+    """The user's text at `path`, else at `$KVJAX_CORPUS`, else Debian's licence texts; raises when it holds
+    under `min_chars`, or when none of them is there (naming the fix)."""
+    if path is None and os.environ.get(CORPUS_ENV):
+        path = os.environ[CORPUS_ENV]
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{CORPUS_ENV}={path!r} is neither a file nor a directory")
     corpus = text_files_corpus(path) if path is not None else common_licenses_corpus()
     if corpus.num_chars < min_chars:
         raise ValueError(

@@ -1,0 +1,141 @@
+"""Renderers for the README's and docs' tables whose program writes no table of that shape itself.
+
+Each function takes the committed JSON (a list of them where a block names several paths, comma-separated)
+and returns the Markdown the block holds, ending with the run's load: `<!-- render eval._tables:dispatch
+eval/results/dispatch/bench_dispatch.json -->` (eval/_render.py). A run that did not record its load says so.
+"""
+
+from __future__ import annotations
+
+from ._report import markdown_table
+
+
+def load_line(payload: dict) -> str:
+    """The machine's load as the run recorded it: load average (1, 5, 15 min) before and after, or that it
+    did not record it (runs from before the programs recorded load; their text once called them quiet)."""
+    before = payload.get("cpu_load_before", payload.get("load_before"))
+    after = payload.get("cpu_load_after", payload.get("load_after"))
+    if before is None and after is None:
+        return "Load: not recorded by this run."
+    return f"Load average before/after: {before} / {after}."
+
+
+def _ratio(x) -> str:
+    return "" if x is None else f"{x:.2f}x"
+
+
+def dispatch(payload: dict) -> str:
+    """`kvjax bench dispatch`: tokens/s at each number of decode steps per call over one step per call."""
+    rows, ks = payload["rows"], sorted({r["steps_per_dispatch"] for r in payload["rows"]})
+    groups = list(dict.fromkeys((r["model"], r["batch"]) for r in rows))
+    by = {(r["model"], r["batch"], r["steps_per_dispatch"]): r for r in rows}
+    headers = ["model", "batch", "ms / step at 1 step per call", *[f"{k} steps per call" for k in ks if k != 1]]
+    body = [[m, b, round(by[m, b, 1]["ms_per_step"], 1),
+             *[_ratio(by[m, b, k]["speedup_vs_1"]) if (m, b, k) in by else "" for k in ks if k != 1]]
+            for m, b in groups]
+    s = payload["settings"]
+    return (markdown_table(headers, body) +
+            f"\nA {s['prompt']}-token prompt, {s['new']} greedy tokens, median of {s['repeats']}; tokens/s relative to "
+            f"one step per call in the same run. {payload['machine'].get('cpu_model', '')}, "
+            f"{payload['machine']['cpu_count']} cores. {load_line(payload)}\n")
+
+
+def real_speed(payload: dict) -> str:
+    """`kvjax bench real`: SmolLM2-135M in kvjax against transformers (bench_real's own table and note)."""
+    headers = ["dtype", "context", "kvjax prefill s", "transformers prefill s", "prefill speedup", "kvjax tok/s",
+               "transformers tok/s", "decode speedup", "kvjax GB/s (share of large read)",
+               "transformers GB/s (share)", "kvjax compile s (prefill + decode)"]
+    rows = [[r["dtype"], r["context"], r["kvjax"]["prefill_s"], r["transformers"]["prefill_s"],
+             f"{r['prefill_speedup']:.2f}x", r["kvjax"]["decode_tokens_per_s"], r["transformers"]["decode_tokens_per_s"],
+             f"{r['decode_speedup']:.2f}x",
+             f"{r['kvjax']['achieved_gbps']:.1f} ({100 * r['kvjax']['share_of_large_read']:.0f}%)",
+             f"{r['transformers']['achieved_gbps']:.1f} ({100 * r['transformers']['share_of_large_read']:.0f}%)",
+             r["kvjax"]["prefill_compile_s"] + r["kvjax"]["decode_compile_s"]] for r in payload["results"]]
+    m, c, read = payload["machine"], payload["config"], payload["large_read"]
+    return (markdown_table(headers, rows) +
+            f"\nSmolLM2-135M-Instruct (Q4_1 GGUF dequantised), batch {c['batch']}, {m.get('cpu_model', '')}, "
+            f"{m['cpu_count']} cores, torch threads {c['torch_threads']}; decode = median of {c['timed_steps']} steps "
+            f"after a warm-up; large read (jax sum) {read['jax_sum_gbps']:.1f} GB/s over {read['bytes'] / 2**30:.1f} "
+            f"GiB. {load_line(payload)}\n")
+
+
+def policies(payload: dict) -> str:
+    """`kvjax bench policies`, float32 pages: decode and prefill of every policy, against full and SnapKV."""
+    from .bench_policies import _vs_snapkv
+
+    results = payload["results"]
+    headers = ["context", "policy", "decode tok/s", "speedup vs full", "KV MB read/step", "KV read GB/s",
+               "pages in use / full", "prefill s", "prefill compile s", "decode vs snapkv", "prefill vs snapkv"]
+    rows = [[r["context"], r["policy"], r["decode_tokens_per_s"], _ratio(r["speedup_vs_full"]),
+             r["kv_bytes_read_per_step"] / 1e6, r["kv_read_gbps"], f"{r['pages_in_use']} / {r['pages_full_cache']}",
+             r["prefill_s"], r["prefill_compile_s"], *_vs_snapkv(r, results)]
+            for r in results if r["kv_dtype"] == "float32"]
+    m = payload["machine"]
+    return (markdown_table(headers, rows) +
+            f"\nFloat32 pages. Budget {payload['budget']} slots per kv head (Quest: slots read per head; "
+            f"dense_layers=0 here). {m.get('cpu_model', '')}, {m['cpu_count']} cores; median of "
+            f"{payload['timed_steps']} decode steps after a warm-up, timed round-robin over the policies; prefill "
+            f"seconds exclude compiling (JAX's compile events), reported apart. {load_line(payload)}\n")
+
+
+def policies_by_page_dtype(payload: dict) -> str:
+    """`kvjax bench policies --kv-dtypes float32 bfloat16 int8`: each policy on each page dtype."""
+    results = payload["results"]
+    dtypes = ["float32", "bfloat16", "int8"]
+    at = {(r["policy"], r["kv_dtype"]): r for r in results}
+    names = list(dict.fromkeys(r["policy"] for r in results))
+    headers = ["policy", *[f"{d} tok/s" for d in dtypes], *[f"{d} vs float32" for d in dtypes[1:]],
+               "KV MB read/step, " + " / ".join(dtypes)]
+    fmt = lambda x: f"{x:.3g}"  # noqa: E731
+    rows = [[n, *[at[n, d]["decode_tokens_per_s"] for d in dtypes],
+             *[_ratio(at[n, d]["speedup_vs_float32_pages"]) for d in dtypes[1:]],
+             " / ".join(fmt(at[n, d]["kv_bytes_read_per_step"] / 1e6) for d in dtypes)]
+            for n in names if all((n, d) in at for d in dtypes)]
+    return markdown_table(headers, rows) + f"\nThe same run as the float32 table. {load_line(payload)}\n"
+
+
+def serving_load(payloads: list) -> str:
+    """`kvjax bench load` runs, one row each: `kvjax serve` under concurrent clients against `generate` one
+    request at a time in the same run."""
+    headers = ["model", "policy", "clients", "requests", "lost", "pages leaked", "tok/s served",
+               "tok/s `generate` one by one", "ratio", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
+               "KV waste: kvjax / Jenga / uniform paging"]
+    rows, loads = [], []
+    for p in payloads:
+        s, waste = p["server"], p["server"]["memory"]["waste"]
+        options = ", ".join(f"{k} {v}" for k, v in sorted(p.get("policy_options", {}).items()))
+        policy = p["policy"] + (f", {options}".replace("token_budget", "budget") if options else "")
+        rows.append([p["model"], policy, p["concurrency"], s["requests"], s["lost"], s["pages_leaked"],
+                     f"{s['tokens_per_s']:.3g}", f"{p['generate_one_at_a_time']['tokens_per_s']:.3g}",
+                     f"{p['throughput_ratio']:.2f}x",
+                     f"{1e3 * s['ttft_s']['p50']:.0f} / {1e3 * s['ttft_s']['p99']:.0f}",
+                     f"{1e3 * s['itl_s']['p50']:.0f} / {1e3 * s['itl_s']['p99']:.0f}",
+                     " / ".join(f"{100 * waste[k]:.1f}%" for k in ("kvjax pages", "jenga, a group per layer", "uniform"))])
+        loads.append(load_line(p))
+    loads = [loads[0]] if len(set(loads)) == 1 else [f"{p['model']} {p['policy']}: {x}" for p, x in zip(payloads, loads)]
+    return markdown_table(headers, rows) + "\n" + " ".join(loads) + "\n"
+
+
+def jenga_waste(payload: dict) -> str:
+    """`python -m eval.bench_serving`: one line, Jenga's and uniform paging's waste per trace config."""
+    runs = {(r["config"], r["variant"]): r for r in payload["runs"]}
+    configs = list(dict.fromkeys(r["config"] for r in payload["runs"]))
+    parts = [f"{c}: {100 * runs[c, 'jenga']['waste_fraction']:.2f}% against {100 * runs[c, 'uniform']['waste_fraction']:.1f}%"
+             for c in configs if (c, "jenga") in runs and (c, "uniform") in runs]
+    return ("Held bytes wasted, Jenga against uniform paging (time-averaged over the trace): " + "; ".join(parts)
+            + f". {load_line(payload)}\n")
+
+
+def locret_memory(payload: dict) -> str:
+    """`kvjax bench memory`: peak RSS and KV pool of Locret against the full cache, one process per point."""
+    at = {(r["policy"], r["context"]): r for r in payload["results"]}
+    contexts = sorted({r["context"] for r in payload["results"]})
+    mib = lambda r, k: "" if r is None or r.get(k) is None else f"{r[k]:.0f} MiB"  # noqa: E731
+    rows = [[f"{c // 1024}K", mib(at.get(("locret", c)), "peak_rss_mib"), mib(at.get(("full", c)), "peak_rss_mib"),
+             mib(at.get(("locret", c)), "pool_mib"), mib(at.get(("full", c)), "pool_mib")] for c in contexts]
+    s, slopes = payload["settings"], payload.get("slopes_mib_per_1k_tokens", {})
+    return (markdown_table(["context", "Locret peak RSS", "full cache peak RSS", "Locret KV pool", "full KV pool"], rows) +
+            f"\n{payload['model']}, Locret at token_budget={s['budget']}, chunks of {s['chunk']}, local tail "
+            f"{s['local_tail']}; one process per point, peak RSS after loading. Peak RSS grows "
+            + ", ".join(f"{v:.1f} MiB per 1K tokens under {k}" for k, v in slopes.items())
+            + f". {load_line(payload)}\n")
