@@ -92,15 +92,20 @@ def _layer_table(state: KVState, layer):
     return state.page_table[layer, :, :, : state.layer_read_pages(layer)], state.lengths[layer]
 
 
-def decode_attention(q: jax.Array, state: KVState, layer, selected=None, return_stats: bool = False):
+def decode_attention(q: jax.Array, state: KVState, layer, selected=None, return_stats: bool = False,
+                     slots: bool = False):
     """One decode query per head `q [B, 1, Hq, D]` over `layer` through the backend-dispatched paged decode
     kernels (pallas_kernels): every valid slot, or with `selected int32[B, Hq or H, K]` the selected logical
     pages plus each head's current page (Quest). Returns `[B, 1, Hq, D]`, and with `return_stats` also the
-    row max and row sum `f32[B, Hq]` of the scaled logits (p = exp(q.k / sqrt(D) - max) / sum)."""
+    row max and row sum `f32[B, Hq]` of the scaled logits (p = exp(q.k / sqrt(D) - max) / sum). With `slots`,
+    `selected` lists slots instead of pages: the pool is read as pages of one slot (`slot_pages`), and the
+    newest slot is the one always read."""
     from kvjax import pallas_kernels
 
     table, lengths = _layer_table(state, layer)
     scales = dict(k_scale=state.k_scale, v_scale=state.v_scale)
+    if slots:
+        state, table, scales = slot_pages(state, table)
     if selected is None:
         result = pallas_kernels.paged_decode(
             q[:, 0], state.k_pages, state.v_pages, table, lengths, return_stats=return_stats, **scales
@@ -113,6 +118,23 @@ def decode_attention(q: jax.Array, state: KVState, layer, selected=None, return_
         out, row_max, row_sum = result
         return out[:, None], row_max, row_sum
     return result[:, None]
+
+
+def slot_table(table: jax.Array, page_size: int) -> jax.Array:
+    """int32[B, H, P * ps]: the slots of `table int32[B, H, P]`'s pages as pages of one slot (-1 unallocated)."""
+    rows = jnp.where(table[..., None] >= 0, table[..., None] * page_size + jnp.arange(page_size), -1)
+    return rows.reshape(*table.shape[:2], -1)
+
+
+def slot_pages(state: KVState, table: jax.Array):
+    """The pool as pages of one slot: `(state, table int32[B, H, P * ps], scales)` with `k_pages`/`v_pages`
+    `[N * ps, 1, D]` (a free reshape) and the table listing each page's slots, so the paged kernels read any
+    set of single slots (`decode_attention(slots=True)`)."""
+    N, ps = state.k_pages.shape[:2]
+    rows = slot_table(table, ps)
+    per_slot = lambda x: None if x is None else x.reshape(N * ps, 1, *x.shape[2:])
+    state = state.replace(k_pages=per_slot(state.k_pages), v_pages=per_slot(state.v_pages))
+    return state, rows, dict(k_scale=per_slot(state.k_scale), v_scale=per_slot(state.v_scale))
 
 
 def read_slots(selected: jax.Array, lengths: jax.Array, page_size: int, max_pages: int) -> jax.Array:

@@ -12,6 +12,8 @@ layer reads (`read_pages`) stay static either way (see `KVState.for_layers`).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +42,14 @@ class CacheCapacityError(RuntimeError):
         self.pages_available = pages_available
 
 
+class KeySketch(NamedTuple):
+    """Page metadata of a selector beyond Quest's bound (`kvjax.policies.key_sketch`): one row of `codes` per
+    slot, and what the selector needs to sketch a new key (`params`, e.g. a projection per layer and head)."""
+
+    codes: jax.Array  # [N, ps, R] one sketch row per slot (a low-rank projection, packed 4-bit codes, ...)
+    params: Any = None  # pytree of arrays, read by the selector that attached the sketch
+
+
 @struct.dataclass
 class KVState:
     """Paged KV cache. N = num_pages, ps = page_size, D = head_dim, L = layers, B = batch, H = kv heads,
@@ -64,6 +74,9 @@ class KVState:
     #                  the next appended token fills it, so eviction never writes the K/V pool
     k_scale: jax.Array | None = None  # f32[N, ps]  int8 pages: each slot's scale (value = int8 * scale), else None
     v_scale: jax.Array | None = None  # f32[N, ps]
+    # A per-slot sketch of the keys that a selector scores pages from (`KeySketch`), or None: absent unless a
+    # selector attaches one after prefill; `append_to_layer` writes new tokens' rows when given them.
+    key_sketch: "KeySketch | None" = None
     long_rope: bool = struct.field(pytree_node=False, default=False)  # LongRoPE factor set, fixed at prefill
     # Logical pages attention reads per layer (static), after a policy bounded the layer; None = all.
     read_pages: tuple | None = struct.field(pytree_node=False, default=None)
@@ -243,12 +256,13 @@ def allocate_for_append(state: KVState, num_new: jax.Array, max_new_tokens: int)
 
 def append_to_layer(
     state: KVState, layer, k: jax.Array, v: jax.Array, positions: jax.Array, num_new: jax.Array,
-    score: jax.Array | None = None,
+    score: jax.Array | None = None, sketch: jax.Array | None = None,
 ) -> KVState:
     """Write the first `num_new[b]` tokens of `k, v [B, C, H, D]` (at `positions int32[B, C]`) after each
     head's last slot of `layer`, and keep `kmin`/`kmax` exact. Pages must have been allocated. `score
-    f32[B, C, H]`, when given, becomes the new slots' `slot_score` (Locret). int8 pages store each token
-    quantised with its own scale, and `kmin`/`kmax` bound the dequantised keys."""
+    f32[B, C, H]`, when given, becomes the new slots' `slot_score` (Locret); `sketch [B, C, H, R]` the new
+    slots' rows of `key_sketch.codes`. int8 pages store each token quantised with its own scale, and
+    `kmin`/`kmax` bound the dequantised keys."""
     ps, N = state.page_size, state.num_pages
     B, C, H, _ = k.shape
     lengths = state.lengths[layer]  # [B, H]
@@ -266,6 +280,9 @@ def append_to_layer(
     offset = slot % ps
     if score is not None:
         state = state.replace(slot_score=state.slot_score.at[page, offset].set(score.astype(jnp.float32), mode="drop"))
+    if sketch is not None and state.key_sketch is not None:
+        codes = state.key_sketch.codes.at[page, offset].set(sketch.astype(state.key_sketch.codes.dtype), mode="drop")
+        state = state.replace(key_sketch=state.key_sketch._replace(codes=codes))
     if state.quantized:
         k_stored, k_scale = quantize_int8(k)  # [B, C, H, D], [B, C, H]
         v_stored, v_scale = quantize_int8(v)
@@ -339,6 +356,7 @@ def add_slot_scores(state: KVState, layer, delta: jax.Array) -> KVState:
 __all__ = [
     "CacheCapacityError",
     "KVState",
+    "KeySketch",
     "allocate_for_append",
     "append_to_layer",
     "gather_layer",

@@ -185,7 +185,14 @@ def prefill_row_steps(
     )
     if policy.compresses and policy.chunks is None:
         state = compress_prefilled(model, state, window, policy, [len(r) for r in rows], reserve_tokens, backend)
-    return state, logits
+    return attach_selector_metadata(state, policy), logits
+
+
+def attach_selector_metadata(state: KVState, policy: Policy) -> KVState:
+    """The state with the page metadata a selector keeps besides Quest's (`attach_sketch`, the key sketch
+    of `kvjax.policies.key_sketch`) written for every prefilled slot; decode steps then write it per token."""
+    attach = getattr(policy, "attach_sketch", None)
+    return state if attach is None else attach(state)
 
 
 def run_to_end(steps: Generator):

@@ -68,6 +68,7 @@ def page_view(state: KVState, layer, num_layers: int, q) -> LayerView:
     return LayerView(
         layer=layer, num_layers=num_layers, lengths=state.lengths[layer], q=q,
         page_table=state.page_table[layer, :, :, :P], kmin=state.kmin, kmax=state.kmax, page_size=state.page_size,
+        k_pages=state.k_pages, key_sketch=state.key_sketch,
     )
 
 
@@ -100,7 +101,10 @@ def append_and_attend(
     a policy evicting while decoding) the layer's `LayerView` after the step is returned, carrying the
     query, the kernel's row max and sum and the slots read, for `decode_scores`.
     Returns `(state, out [B, C, Hq, D], view or None)`."""
-    state = append_to_layer(state, layer, k, v, positions, num_new, score=score)
+    sketch = None
+    if state.key_sketch is not None and hasattr(policy, "sketch_keys"):  # a selector's per-slot key sketch
+        sketch = policy.sketch_keys(state.key_sketch, layer, k)
+    state = append_to_layer(state, layer, k, v, positions, num_new, score=score, sketch=sketch)
     if not decoding:
         if not accumulate:
             return state, blocked_paged_attention(q, positions, state, layer), None
@@ -110,7 +114,8 @@ def append_and_attend(
         return add_slot_scores(state, layer, sums), out, None
     selected = policy.select_pages(page_view(state, layer, num_layers, q[:, 0])) if selects else None
     if not (accumulate or evict):
-        return state, decode_attention(q, state, layer, selected), None
+        slots = getattr(policy, "selects_slots", False)  # a selection of single slots (the token oracle)
+        return state, decode_attention(q, state, layer, selected, slots=slots), None
     out, row_max, row_sum = decode_attention(q, state, layer, selected, return_stats=True)
     read = None
     if selected is not None:

@@ -66,7 +66,8 @@ class LayerView(NamedTuple):
 
     - compress: slots (`k` .. `slot_score`), `window_q`/`window_pos` (the last `window_size` prompt
       queries, post-RoPE), `final_chunk` with a chunk schedule;
-    - select: the decode query `q` and the layer's page metadata (`page_table`, `kmin`, `kmax`);
+    - select: the decode query `q` and the layer's page metadata (`page_table`, `kmin`, `kmax`, the key
+      pool `k_pages` and the state's `key_sketch`);
     - evict while decoding: slots, and the step's attention as `q` with the kernel's row max and sum
       (`probs` rebuilds the probabilities from them) over the slots it `read`.
     """
@@ -90,6 +91,8 @@ class LayerView(NamedTuple):
     kmin: Any = None  # [N, D] per-page elementwise key min (+inf when empty)
     kmax: Any = None  # [N, D] and max (-inf when empty)
     page_size: int = 0
+    k_pages: Any = None  # [N, ps, D] the key pool (an evaluation oracle scores every key)
+    key_sketch: Any = None  # `KeySketch` the per-slot key sketch a selector attached (kvjax.policies.key_sketch)
 
     @property
     def probs(self) -> jax.Array:
