@@ -139,3 +139,50 @@ def locret_memory(payload: dict) -> str:
             f"{s['local_tail']}; one process per point, peak RSS after loading. Peak RSS grows "
             + ", ".join(f"{v:.1f} MiB per 1K tokens under {k}" for k, v in slopes.items())
             + f". {load_line(payload)}\n")
+
+
+def compile_times(payload: dict) -> str:
+    """`kvjax bench compile`: what a first `generate` compiles, at 4 and 30 layers of one width."""
+    headers = ["layers", "policy", "programs", "prefill compile s", "compression compile s", "decode compile s",
+               "first generate: compiles s", "first generate s", "second generate s"]
+    rows = [[r["layers"], r["policy"], r["programs"], r["prefill_s"], r["compress_s"], r["decode_s"],
+             r["first_generate_compile_s"], r["first_generate_s"], r["second_generate_s"]] for r in payload["results"]]
+    c, m, cache = payload["config"], payload["machine"], payload.get("persistent_cache")
+    ratios = ", ".join(f"{k} {v:.2f}x" for k, v in payload.get("deep_over_shallow", {}).items())
+    after = payload["results"][-1].get("load_after") if payload["results"] else None
+    note = (f"\n{c['shape']}, random weights, {c['prompt']}-token prompt, {c['new_tokens']} new tokens, {c['dtype']}, "
+            f"batch {c['batch']}; {m.get('cpu_model', '')}, {m['cpu_count']} cores. First-generate compile time, "
+            f"{max(c['layers'])} layers over {min(c['layers'])}: {ratios}.")
+    if cache:
+        note += (f" A first full-cache `generate` at {cache['layers']} layers in a fresh process: "
+                 f"{cache['cold_first_generate_s']:.1f} s with an empty persistent compilation cache, "
+                 f"{cache['warm_first_generate_s']:.1f} s reading it.")
+    return markdown_table(headers, rows) + note + " " + load_line({"load_before": payload.get("load_before"),
+                                                                   "load_after": after}) + "\n"
+
+
+def locret_real_summary(payload: dict) -> str:
+    """`python -m eval.locret_real`: Locret at 1/16 and 1/8 of the context against the evictors at 1/8, for the
+    contexts and tasks where Locret ran beyond 2K (accuracy; a cell's samples are marked where not 50)."""
+    cells = payload["cells"]
+    titles = {"real_passkey": "passkey", "niah_single": "RULER needle"}
+    columns = [("full", None, "full"), ("locret", 16, "Locret @1/16"), ("locret", 8, "Locret @1/8"),
+               ("snapkv", 8, "SnapKV @1/8"), ("ada_snapkv", 8, "Ada-SnapKV @1/8"), ("h2o", 8, "H2O @1/8"),
+               ("streaming", 8, "StreamingLLM @1/8")]
+
+    def cell(length, task, policy, fraction):
+        found = [c for c in cells if (c["length"], c["task"]) == (length, task) and c["policy"].split(":")[0] == policy]
+        if fraction is not None:  # the budget nearest the fraction (8000 tokens: 512 for 1/16)
+            found = [c for c in found if c["budget"] and abs(c["budget"] - length / fraction) < length / fraction / 4]
+            found.sort(key=lambda c: abs(c["budget"] - length / fraction))
+        if not found:
+            return ""
+        c = found[0]
+        return f"{100 * c['accuracy']:.0f}%" + ("" if c["samples"] == 50 else f" (n={c['samples']})")
+
+    points = sorted({(c["length"], c["task"]) for c in cells if c["policy"].startswith("locret") and c["length"] > 2048},
+                    key=lambda p: (p[0], p[1] != "real_passkey"))
+    rows = [[f"{length // 1000 if length % 1024 else length // 1024}K {titles.get(task, task)}",
+             *[cell(length, task, p, f) for p, f, _ in columns]] for length, task in points]
+    return markdown_table(["context, task", *[t for _, _, t in columns]], rows) + \
+        f"\nFrom the sweeps {', '.join(payload['sweeps'])}.\n"

@@ -111,7 +111,12 @@ COLUMNS = [
 
 
 def render(payload: dict) -> str:
-    rows = [[r.get(key, r.get("error", "")) for _, key in COLUMNS] for r in payload["results"]]
+    def cell(r, key):
+        value = r.get(key, "")
+        return round(value) if key.endswith("_mib") and isinstance(value, float) else value
+
+    rows = [[r["prefix_tokens"], r["error"], *[""] * (len(COLUMNS) - 2)] if "error" in r
+            else [cell(r, key) for _, key in COLUMNS] for r in payload["results"]]
     s = payload["settings"]
     return (markdown_table([name for name, _ in COLUMNS], rows)
             + f"\n{s['model']}, {s['mode']}, {s['dtype']}, answer {s['answer']} tokens, chunk {s['chunk']}"
