@@ -181,7 +181,7 @@ def locret_real_summary(payload: dict) -> str:
         return f"{100 * c['accuracy']:.0f}%" + ("" if c["samples"] == 50 else f" (n={c['samples']})")
 
     points = sorted({(c["length"], c["task"]) for c in cells if c["policy"].startswith("locret") and c["length"] > 2048},
-                    key=lambda p: (p[0], p[1] != "real_passkey"))
+                    key=lambda p: (p[0], ("real_passkey", "niah_single").index(p[1]) if p[1] in titles else 2, p[1]))
     rows = [[f"{length // 1000 if length % 1024 else length // 1024}K {titles.get(task, task)}",
              *[cell(length, task, p, f) for p, f, _ in columns]] for length, task in points]
     return markdown_table(["context, task", *[t for _, _, t in columns]], rows) + \
