@@ -13,6 +13,7 @@ from ._quant import (
 )
 from .decode_reference import paged_decode_reference, sparse_paged_decode_reference
 from .paged_decode import paged_decode, sparse_paged_decode
+from .sketch_scores import sketch_page_scores, sketch_page_scores_reference
 from .quest_scores import (
     quest_page_scores,
     quest_page_scores_reference,
@@ -32,6 +33,8 @@ __all__ = [
     "quest_page_scores_reference",
     "select_top_pages",
     "select_top_pages_reference",
+    "sketch_page_scores",
+    "sketch_page_scores_reference",
     "sparse_paged_decode",
     "sparse_paged_decode_reference",
     "paged_decode",

@@ -16,8 +16,12 @@ from kvjax.policies.quest_adaptive import QuestAdaptive
 from kvjax.policies.compose import Compose
 from kvjax.policies.locret import Locret
 from kvjax.policies.ada import AdaKV
+from kvjax.policies.oracle import OraclePage, OracleToken
+from kvjax.policies.loki import Loki
+from kvjax.policies.key_int4 import KeyInt4
 
 __all__ = [
     "POLICY_REGISTRY", "AdaKV", "AdaPyramid", "AdaSnapKV", "ChunkSchedule", "Compose", "Quest", "QuestAdaptive", "QuestStatic", "FullPolicy", "H2O", "LayerView", "Locret", "Policy", "PyramidKV",
     "ScoredEviction", "SnapKV", "StreamingLLM", "TOVA", "make_policy", "register_policy",
+    "KeyInt4", "Loki", "OraclePage", "OracleToken",
 ]

@@ -1,0 +1,72 @@
+"""Bytes one decode step reads for each query-aware selector, against Quest and full attention.
+
+Per (layer, kv head) at a context of n slots, pages of ps slots, head dim D, float32 K/V pages (4 bytes a
+value), a group of G query heads selecting apart (per query head, as the sweep runs them), budget b:
+
+- metadata: what the scorer reads to rank pages. Quest: kmin and kmax, 2 D x 4 bytes a page (32 bytes a
+  token at D = 64, ps = 16). `loki`: `rank` bfloat16 coordinates a slot (2 rank bytes a token) plus its
+  D x rank float32 basis. `key_int4`: D/2 bytes a slot plus D float32 scales. The oracles read every key
+  (4 D bytes a token). Full attention scores nothing.
+- scores: the page scores written and read back for top-k, 4 bytes per page and query head (per slot for
+  the token oracle), plus the page table (4 bytes a page).
+- chosen: the K and V the selected pages hold, b slots of 2 D x 4 bytes per query head (each query head
+  reads its own pages); full attention reads the n slots once per kv head.
+
+    python -m eval.selection_bytes --contexts 2048 4096 --budgets 64 128 256 512
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ._report import default_out, machine_info, markdown_table, write_outputs
+
+SELECTORS = ("full", "quest", "oracle_page", "oracle_token", "loki", "key_int4")
+
+
+def step_bytes(selector: str, n: int, budget: int, *, head_dim: int = 64, page_size: int = 16, group: int = 3,
+               rank: int = 16, kv_itemsize: int = 4) -> dict:
+    """{metadata, scores, chosen, total}: bytes one decode step reads per (layer, kv head)."""
+    pages = -(-n // page_size)
+    kv_slot = 2 * head_dim * kv_itemsize
+    if selector == "full":
+        return {"metadata": 0, "scores": 0, "chosen": n * kv_slot, "total": n * kv_slot}
+    metadata = {
+        "quest": pages * 2 * head_dim * 4,
+        "oracle_page": n * head_dim * kv_itemsize,
+        "oracle_token": n * head_dim * kv_itemsize,
+        "loki": n * rank * 2 + head_dim * rank * 4,
+        "key_int4": n * head_dim // 2 + head_dim * 4,
+    }[selector]
+    rows = n if selector == "oracle_token" else pages
+    scores = 4 * rows * group + 4 * pages
+    chosen = group * min(budget, n) * kv_slot
+    return {"metadata": metadata, "scores": scores, "chosen": chosen, "total": metadata + scores + chosen}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512])
+    parser.add_argument("--out", default=default_out("selection_bytes"))
+    args = parser.parse_args(argv)
+    rows = []
+    for n in args.contexts:
+        for budget in args.budgets:
+            for selector in SELECTORS:
+                b = step_bytes(selector, n, budget)
+                rows.append({"context": n, "budget": budget, "selector": selector, **b,
+                             "metadata_bytes_per_token": b["metadata"] / n})
+    payload = {"benchmark": "selection_bytes", "machine": machine_info(), "head_dim": 64, "page_size": 16,
+               "group": 3, "kv_itemsize": 4, "results": rows}
+    header = ["context", "budget", "selector", "metadata", "scores", "chosen", "total", "meta B/token"]
+    body = [[r["context"], r["budget"], r["selector"], r["metadata"], r["scores"], r["chosen"], r["total"],
+             f"{r['metadata_bytes_per_token']:.1f}"] for r in rows]
+    table = markdown_table(header, body)
+    write_outputs(args.out, "selection_bytes", payload, table)
+    print(table)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Page scores from a per-slot key sketch: the best approximate q.k over a page's slots.
+
+A selector beyond Quest's bound keeps one sketch row per slot (`codes [N, ps, R]`) and maps the decode
+query into the sketch's space (`q [B, Hq, R']`); the score of logical page p for query head h is
+
+    max over the slots s of page p of  q_h . decode(codes[page, s])
+
+so, unlike Quest's per-dimension bound, each slot is scored as a whole and only then maxed. With the exact
+keys as codes (`codes = k_pages`, `q` the query) this is the exact page maximum of q.k: the oracle. Codes:
+
+- "float": float32 or bfloat16 rows (bfloat16 may be held as uint16 bit patterns, `page_values`), R' = R;
+- "int4": signed 4-bit codes packed two to a byte in `int8[N, ps, R]`, R' = 2R: byte j holds channel j in
+  its low nibble and channel j + R in its high nibble, each in [-8, 7].
+
+Pages past the used ones and the current page (always read) score -inf, as in `quest_page_scores`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ._backend import default_backend_for, resolve_backend, resolve_interpret
+from ._quant import page_values
+from .quest_scores import _finish_scores, scoreable_pages
+
+__all__ = ["CODE_KINDS", "pack_int4", "sketch_page_scores", "sketch_page_scores_reference", "unpack_int4"]
+
+CODE_KINDS = ("float", "int4")
+
+
+def pack_int4(codes: jax.Array) -> jax.Array:
+    """int8[..., R] from integer codes `[..., 2R]` in [-8, 7]: channel j in the low nibble of byte j,
+    channel j + R in its high nibble."""
+    codes = codes.astype(jnp.int32)
+    half = codes.shape[-1] // 2
+    return ((codes[..., :half] & 15) | (codes[..., half:] << 4)).astype(jnp.int8)
+
+
+def unpack_int4(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(low, high) int32 codes `[..., R]` of `int8[..., R]` packed by `pack_int4` (sign-extended nibbles)."""
+    x = packed.astype(jnp.int32)
+    return jnp.left_shift(x, 28) >> 28, x >> 4
+
+
+def check_sketch_inputs(q, codes, page_table, lengths, codes_kind: str):
+    if codes_kind not in CODE_KINDS:
+        raise ValueError(f"codes_kind must be one of {CODE_KINDS}, got {codes_kind!r}")
+    if q.ndim != 3 or codes.ndim != 3 or page_table.ndim != 3 or lengths.shape != page_table.shape[:2]:
+        raise ValueError(
+            f"expected q [B, Hq, R'], codes [N, ps, R], page_table [B, KVH, P], lengths [B, KVH]; got "
+            f"{q.shape}, {codes.shape}, {page_table.shape}, {lengths.shape}"
+        )
+    width = codes.shape[-1] * (2 if codes_kind == "int4" else 1)
+    if q.shape[-1] != width:
+        raise ValueError(f"q's last axis must be {width} for {codes_kind!r} codes of width {codes.shape[-1]}, got {q.shape[-1]}")
+    if codes_kind == "int4" and codes.dtype != jnp.int8:
+        raise TypeError(f"int4 codes are packed in int8, got {codes.dtype}")
+    if q.shape[1] % page_table.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({page_table.shape[1]})")
+
+
+def slot_scores(q_groups, rows, codes_kind: str):
+    """q_groups `[..., G, R']` against sketch rows `[..., S, R]`: f32[..., G, S]."""
+    q_groups = q_groups.astype(jnp.float32)
+    if codes_kind == "int4":
+        low, high = (x.astype(jnp.float32) for x in unpack_int4(rows))
+        half = rows.shape[-1]
+        return (jnp.einsum("...gr,...sr->...gs", q_groups[..., :half], low, precision="highest")
+                + jnp.einsum("...gr,...sr->...gs", q_groups[..., half:], high, precision="highest"))
+    return jnp.einsum("...gr,...sr->...gs", q_groups, page_values(rows).astype(jnp.float32), precision="highest")
+
+
+def sketch_page_scores_reference(q, codes, page_table, lengths, *, page_size: int, codes_kind: str = "float",
+                                 per_kv_head: bool = False):
+    """Oracle for `sketch_page_scores`: every logical page's slots gathered and scored, then masked."""
+    check_sketch_inputs(q, codes, page_table, lengths, codes_kind)
+    B, Hq, _ = q.shape
+    KVH, P = page_table.shape[1:]
+    pages = jnp.clip(page_table, 0, codes.shape[0] - 1)
+    rows = codes[pages].reshape(B, KVH, P * page_size, codes.shape[-1])  # [B, KVH, P*ps, R]
+    scores = slot_scores(q.reshape(B, KVH, Hq // KVH, -1), rows, codes_kind)  # [B, KVH, G, P*ps]
+    scores = scores.reshape(B, KVH, Hq // KVH, P, page_size).max(axis=-1)
+    valid = scoreable_pages(lengths, P, page_size)[:, :, None]
+    return _finish_scores(jnp.where(valid, scores, -jnp.inf), per_kv_head)
+
+
+def sketch_page_scores(
+    q,  # [B, Hq, R']  the query in the sketch's space
+    codes,  # [N, ps, R]  one sketch row per slot
+    page_table,  # int32[B, KVH, P]; -1 = unallocated
+    lengths,  # int32[B, KVH]; >= 1
+    *,
+    page_size: int,
+    codes_kind: str = "float",
+    per_kv_head: bool = False,
+    backend=None,
+    interpret=None,
+):
+    """Sketch score of every logical page: f32[B, Hq, P] (or [B, KVH, P], max over the group, with
+    `per_kv_head`); -inf past the used pages and at the current page. Backends as `quest_page_scores`: "xla"
+    (the CPU default) is the reference's form; "pallas_tpu" and "pallas_gpu" gather the pages' rows in the
+    kernel; "pallas_mosaic_gpu" scores with the XLA form."""
+    if backend is None:
+        backend = default_backend_for(
+            sketch_page_scores, dict(q=q, codes=codes, page_table=page_table, lengths=lengths),
+            dict(page_size=page_size, codes_kind=codes_kind, per_kv_head=per_kv_head), interpret,
+        )
+    backend = resolve_backend(backend)
+    if backend in ("reference", "xla", "pallas_mosaic_gpu"):
+        return sketch_page_scores_reference(
+            q, codes, page_table, lengths, page_size=page_size, codes_kind=codes_kind, per_kv_head=per_kv_head
+        )
+    check_sketch_inputs(q, codes, page_table, lengths, codes_kind)
+    if backend == "pallas_tpu":
+        from .sketch_scores_tpu import sketch_scores_tpu as kernel
+    else:
+        from .sketch_scores_gpu import sketch_scores_gpu as kernel
+    scores = kernel(q, codes, page_table, lengths, page_size=page_size, codes_kind=codes_kind,
+                    interpret=resolve_interpret(backend, interpret))
+    return _finish_scores(scores, per_kv_head)
