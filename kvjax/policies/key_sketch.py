@@ -53,7 +53,9 @@ class SketchSelect(Quest):
     # ---- the hooks the steps call
     def attach_sketch(self, state: KVState) -> KVState:
         """The state with a sketch fitted to its prefilled keys and written for every slot (after prefill)."""
-        layers = [_fit_layer(self, state, layer) for layer in range(state.page_table.shape[0])]
+        # one compile for every layer and budget: the layer is traced, the fields the sketch does not read reset
+        spec = dataclasses.replace(self, token_budget=Quest.token_budget, dense_layers=0, per_kv_head=False)
+        layers = [_fit_layer(spec, state, jnp.int32(layer)) for layer in range(state.page_table.shape[0])]
         params = jax.tree.map(lambda *xs: jnp.stack(xs), *(p for p, _ in layers))
         N, ps = state.k_pages.shape[:2]
         first = layers[0][1]
@@ -83,8 +85,8 @@ class SketchSelect(Quest):
                                   codes_kind=self.codes_kind, per_kv_head=self.per_kv_head)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "layer"))
-def _fit_layer(policy: SketchSelect, state: KVState, layer: int):
+@functools.partial(jax.jit, static_argnames=("policy",))
+def _fit_layer(policy: SketchSelect, state: KVState, layer):
     keys, _, _, valid = gather_layer(state, layer)  # [B, H, S, D]
     keys = jnp.where(valid[..., None], keys.astype(jnp.float32), 0.0)
     params = policy.fit(keys, valid)
