@@ -98,8 +98,8 @@ def main(argv=None) -> dict:
         ]
     payload = {
         "machine": machine_info(),
-        "model": os.path.abspath(args.model),
-        "heads": os.path.abspath(heads),
+        "model": args.model,  # as given: committed results carry no absolute path of the machine
+        "heads": heads,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "work")},
         "locret_options": "stabilizers = budget // 4, local_tail = budget // 8",
         "heads_training": training_summary(heads),

@@ -1,6 +1,7 @@
 """Every rendered table in the README and docs equals what its committed JSON renders to (`eval/_render.py`)."""
 
 import os
+import re
 
 import pytest
 
@@ -37,3 +38,31 @@ def test_a_changed_figure_is_caught(tmp_path):
     assert _render.rewrite(str(readme), str(tmp_path))
     (_, json_path, text), = _render.blocks(readme.read_text())
     assert text == _render.rendered("fake_render_program", json_path, str(tmp_path)) == "value 3\n"
+
+
+def _result_folders() -> set[str]:
+    root = os.path.join(_render.ROOT, "eval", "results")
+    return {os.path.relpath(folder, root) for folder, _, names in os.walk(root)
+            if any(n.endswith(".json") for n in names)}
+
+
+def test_every_results_folder_names_its_command():
+    """eval/results/README.md lists every folder holding a JSON (a row may name several, or a parent
+    row cover its subfolders, e.g. `suite/run-a`)."""
+    index = open(os.path.join(_render.ROOT, "eval", "results", "README.md")).read()
+    named = set(re.findall(r"`([\w./-]+)`", index))
+    missing = sorted(f for f in _result_folders()
+                     if not any(f == n or f.startswith(n + "/") for n in named))
+    assert not missing, f"eval/results/README.md gives no command for: {missing}"
+
+
+def test_committed_results_carry_no_absolute_machine_path():
+    root = os.path.join(_render.ROOT, "eval", "results")
+    pattern = re.compile(r'"(/(?:root|work|home|tmp|Users)/[^"]*)"')
+    found = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if name.endswith((".json", ".jsonl", ".md")):
+                with open(os.path.join(folder, name), errors="replace") as f:
+                    found += [(os.path.relpath(os.path.join(folder, name), root), m) for m in pattern.findall(f.read())]
+    assert not found, found[:5]
