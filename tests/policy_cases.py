@@ -59,10 +59,10 @@ def matrix_cases(cfg, page_size: int = 8) -> list[Case]:
         composed.append(Case(
             f"compose-{evict}-{select}", make("compose", evict=part.policy, select=chooser.policy), cover, part=evict
         ))
-    named = {case.policy.name for case in single + composed}
+    named = {case.policy.name for case in single + composed} | {case.id for case in single}
     extra = []
-    for name, cls in sorted(POLICY_REGISTRY.items()):  # registered elsewhere: built with a budget when it takes one
+    for name, entry in sorted(POLICY_REGISTRY.items()):  # registered elsewhere: built with a budget when it takes one
         if name not in named:
-            fields = {f.name for f in dataclasses.fields(cls)}
-            extra.append(Case(name, make(name, **({"token_budget": BUDGET} if "token_budget" in fields else {}))))
+            takes_budget = "token_budget" in entry.option_types({})
+            extra.append(Case(name, make(name, **({"token_budget": BUDGET} if takes_budget else {}))))
     return single + composed + extra

@@ -57,20 +57,19 @@ def ada_budgets_kvpress(scores: np.ndarray, budget: int, alpha: float) -> np.nda
 # ------------------------------------------------------------------------------------------------ Ada-KV
 
 
-@pytest.mark.parametrize("form, alpha", [("paper", 0.5), ("kvpress", 0.2)])
-def test_ada_over_snapkv_is_ada_snapkv(setup, form, alpha):
-    model, tokens, _ = setup
+def test_ada_snapkv_and_ada_pyramid_are_the_one_ada_wrapper():
+    """The registered names build `AdaKV` over their scorer, with the scorer's options given to the scorer
+    (their kept positions follow the numpy allocation in test_policies.py and kvpress in the cross-check)."""
     options = dict(token_budget=40, window=8, kernel_size=5, pooling="avg")
-    wrapped = AdaKV(scorer=kvjax.make_policy("snapkv", **options), alpha=alpha, form=form)
-    today = kvjax.make_policy("ada_snapkv", alpha=alpha, form=form, **options)
-    _assert_same(_kept(model, tokens, wrapped), _kept(model, tokens, today))
-
-
-def test_ada_over_pyramid_is_ada_pyramid(setup):
-    model, tokens, _ = setup
-    wrapped = AdaKV(scorer=kvjax.make_policy("pyramid", token_budget=40, window=8))
-    today = kvjax.make_policy("ada_pyramid", token_budget=40, window=8)
-    _assert_same(_kept(model, tokens, wrapped), _kept(model, tokens, today))
+    snap = kvjax.make_policy("ada_snapkv", alpha=0.2, form="kvpress", **options)
+    assert snap == AdaKV(scorer=kvjax.make_policy("snapkv", **options), alpha=0.2, form="kvpress")
+    pyramid = kvjax.make_policy("ada_pyramid", token_budget=40, window=8, beta=10)
+    assert pyramid == AdaKV(scorer=kvjax.make_policy("pyramid", token_budget=40, window=8, beta=10))
+    # the command line's KEY=VALUE options, typed by the scorer's and Ada's fields; `scorer` is fixed
+    assert parse_policy_options("ada_pyramid", ["beta=10", "alpha=0.2", "window=8"]) == {
+        "beta": 10, "alpha": 0.2, "window": 8}
+    with pytest.raises(ValueError, match="has no option 'scorer'"):
+        parse_policy_options("ada_snapkv", ["scorer=h2o"])
 
 
 @pytest.mark.parametrize("form, alpha", [("paper", 0.5), ("kvpress", 0.5)])

@@ -1,12 +1,12 @@
 """KV-cache policies: one small file per method, registered by name for `kvjax.make_policy`."""
 
 from kvjax.policies.base import (
-    POLICY_REGISTRY, ChunkSchedule, FullPolicy, LayerView, Policy, make_policy, register_policy,
+    POLICY_REGISTRY, ChunkSchedule, FullPolicy, LayerView, Policy, Preset, make_policy, register_policy,
+    register_preset,
 )
 from kvjax.policies.eviction import ScoredEviction
 from kvjax.policies.snapkv import SnapKV
-from kvjax.policies.adakv import AdaSnapKV
-from kvjax.policies.pyramid import AdaPyramid, PyramidKV
+from kvjax.policies.pyramid import PyramidKV
 from kvjax.policies.h2o import H2O
 from kvjax.policies.tova import TOVA
 from kvjax.policies.streaming import StreamingLLM
@@ -21,7 +21,7 @@ from kvjax.policies.loki import Loki
 from kvjax.policies.key_int4 import KeyInt4
 
 __all__ = [
-    "POLICY_REGISTRY", "AdaKV", "AdaPyramid", "AdaSnapKV", "ChunkSchedule", "Compose", "Quest", "QuestAdaptive", "QuestStatic", "FullPolicy", "H2O", "LayerView", "Locret", "Policy", "PyramidKV",
-    "ScoredEviction", "SnapKV", "StreamingLLM", "TOVA", "make_policy", "register_policy",
+    "POLICY_REGISTRY", "AdaKV", "ChunkSchedule", "Compose", "Quest", "QuestAdaptive", "QuestStatic", "FullPolicy", "H2O", "LayerView", "Locret", "Policy", "PyramidKV",
+    "Preset", "ScoredEviction", "SnapKV", "StreamingLLM", "TOVA", "make_policy", "register_policy", "register_preset",
     "KeyInt4", "Loki", "OraclePage", "OracleToken",
 ]

@@ -1,10 +1,10 @@
 """Ada-KV's per-head budget allocation (Feng et al., 2024) over any scored eviction, as kvpress's
 `AdaKVPress(press)` wraps any press: `AdaKV(scorer=H2O(...))` is Ada-H2O, `AdaKV(scorer=SnapKV(...))` is
-Ada-SnapKV (the same keep sets as `ada_snapkv`), `AdaKV(scorer=PyramidKV(...))` Ada-Pyramid.
+Ada-SnapKV (registered as `ada_snapkv`), `AdaKV(scorer=PyramidKV(...))` Ada-Pyramid (`ada_pyramid`).
 
-The scorer says how slots score (`scores`, +inf for the slots it always keeps: SnapKV's window, H2O's
-recent tokens, TOVA's newest) and what one head keeps on average (`token_budget`, or PyramidKV's
-per-layer budgets). Ada-KV only decides how a layer's total is split across its heads:
+The scorer says how slots score (`scores`, +inf for its `always_kept` slots: SnapKV's window, H2O's
+recent tokens, TOVA's newest) and what one head keeps on average (`layer_budgets`: `token_budget` in
+every layer, or PyramidKV's pyramid). Ada-KV only decides how a layer's total is split across its heads:
 
 - paper form (alpha = 0.5): with w the scorer's always-kept slots and B' = budget - w, take the layer's
   top H * B' scores outside those slots over all heads; head h's share is cnt_h and its budget
@@ -23,21 +23,50 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
-from kvjax.policies.adakv import adaptive_budgets
-from kvjax.policies.base import POLICY_REGISTRY, LayerView, Policy, make_policy, register_policy
+from kvjax.policies.base import POLICY_REGISTRY, LayerView, Policy, make_policy, register_policy, register_preset
 from kvjax.policies.eviction import NEG, ScoredEviction, keep_top
 from kvjax.policies.snapkv import SnapKV
 
 
-def always_kept(scorer: ScoredEviction) -> int:
-    """Slots per head the scorer scores +inf (kept outside the allocation): SnapKV's `window`, H2O's
-    `recent`, TOVA's newest token; 0 for scorers without such slots."""
-    for name in ("window", "recent"):
-        if hasattr(scorer, name):
-            return int(getattr(scorer, name))
-    return scorer.window_size  # TOVA: the last query's own token
+def head_counts(scores: jax.Array, total, most: int | None = None) -> jax.Array:
+    """int32[B, H]: how many of the layer's top `total` finite scores `[B, H, S]` fall in each head. `total`
+    may be traced (a per-layer budget inside the steps' scan) when the static `most` bounds it."""
+    B, H, S = scores.shape
+    k = min(total if most is None else most, H * S)
+    top_values, top_index = jax.lax.top_k(scores.reshape(B, H * S), k)  # sorted: the first `total` are the top
+    real = jnp.isfinite(top_values) & (jnp.arange(k) < total)
+    heads = jnp.where(real, top_index // S, H)
+    return jax.vmap(lambda h: jnp.bincount(h, length=H + 1)[:H])(heads).astype(jnp.int32)
+
+
+def adaptive_budgets(policy, view: LayerView, scores: jax.Array, per_head: tuple[int, ...]) -> jax.Array:
+    """int32[B, H] per-head budgets (window included) for the view's layer, whose uniform per-head budget is
+    `per_head[layer]` (every layer's, static; taken at the traced `view.layer` as data)."""
+
+    def per_layer(f, dtype=jnp.int32):
+        """f(budget) for the view's layer: computed in Python for every layer, then indexed."""
+        return jnp.asarray([f(b) for b in per_head], dtype)[view.layer]
+
+    H = scores.shape[1]
+    window = policy.window
+    most = max(per_head)
+    if policy.form == "paper":
+        prefix = jnp.where(jnp.isposinf(scores), -jnp.inf, scores)
+        base = per_layer(lambda b: b - window)
+        count = head_counts(prefix, H * base, H * (most - window))
+        share = per_layer(lambda b: policy.alpha * (b - window), jnp.float32)
+        return jnp.round(count * (1 - policy.alpha) + share).astype(jnp.int32) + window
+    # kvpress: protect each head's top alpha * per_head, then the layer's top H * per_head overall
+    if policy.alpha > 0:
+        safe = per_layer(lambda b: max(1, int(b * policy.alpha)))  # kvpress keeps at least one safeguarded slot
+        top = jax.lax.top_k(scores, max(1, int(most * policy.alpha)))[0]
+        kth = jnp.take(top, safe - 1, axis=-1)[..., None]
+        scores = jnp.where(scores >= kth, jnp.finfo(jnp.float32).max, scores)
+    scores = jnp.where(jnp.isposinf(scores), jnp.finfo(jnp.float32).max, scores)
+    return head_counts(scores, H * per_layer(lambda b: b), H * most)
 
 
 @register_policy("ada")
@@ -75,7 +104,7 @@ class AdaKV(Policy):
     @property
     def window(self) -> int:
         """Slots per head kept outside the allocation (`adaptive_budgets` reads it)."""
-        return always_kept(self.scorer)
+        return self.scorer.always_kept
 
     @property
     def token_budget(self) -> int:
@@ -95,17 +124,14 @@ class AdaKV(Policy):
     def compresses_layer(self, layer: int) -> bool:
         return self.scorer.compresses_layer(layer)
 
-    def per_head(self, num_layers: int):
-        """The uniform per-head budget the allocation splits: an int, or every layer's (PyramidKV)."""
-        if hasattr(self.scorer, "layer_budgets"):
-            return self.scorer.layer_budgets(num_layers)
-        return self.token_budget
-
     def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
-        most = self.scorer.layer_budget(0, 2) if hasattr(self.scorer, "layer_budget") else self.token_budget
-        return min(prompt_len, num_kv_heads * most)
+        return min(prompt_len, num_kv_heads * max(self.scorer.layer_budgets(2)))
 
     def compress_layer(self, view: LayerView, keep_bound: int):
         scores = jnp.where(view.valid, self.scorer.scores(view), NEG)
-        budgets = adaptive_budgets(self, view, scores, self.per_head(view.num_layers))
+        budgets = adaptive_budgets(self, view, scores, self.scorer.layer_budgets(view.num_layers))
         return keep_top(scores, jnp.minimum(budgets, view.lengths), keep_bound)
+
+
+register_preset("ada_snapkv", "ada", scorer="snapkv")
+register_preset("ada_pyramid", "ada", scorer="pyramid")

@@ -31,7 +31,7 @@ from typing import Any, Callable, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-POLICY_REGISTRY: dict[str, type["Policy"]] = {}
+POLICY_REGISTRY: dict[str, Any] = {}  # name -> a Policy subclass, or a `Preset` of one
 
 
 def register_policy(name: str) -> Callable[[type], type]:
@@ -45,6 +45,31 @@ def register_policy(name: str) -> Callable[[type], type]:
         return cls
 
     return wrap
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A registered name for a registered policy with some options fixed: `ada_snapkv` is `ada` with
+    `scorer="snapkv"`. `make_policy(name, **options)` builds the policy with the preset's options first."""
+
+    policy: str
+    options: tuple[tuple[str, Any], ...]
+
+    def from_options(self, **options: Any) -> "Policy":
+        return make_policy(self.policy, **dict(self.options), **options)
+
+    def option_types(self, options: dict[str, str]) -> dict[str, Any]:
+        fixed = dict(self.options)
+        types = POLICY_REGISTRY[self.policy].option_types({**{k: str(v) for k, v in fixed.items()}, **options})
+        return {name: kind for name, kind in types.items() if name not in fixed}
+
+
+def register_preset(name: str, policy: str, **options: Any) -> None:
+    """Register `name` as `make_policy(policy, **options, ...)`, e.g. `register_preset("ada_snapkv", "ada",
+    scorer="snapkv")`."""
+    if policy not in POLICY_REGISTRY:
+        raise ValueError(f"register_preset({name!r}): no policy {policy!r} is registered")
+    POLICY_REGISTRY[name] = Preset(policy, tuple(sorted(options.items())))
 
 
 class ChunkSchedule(NamedTuple):

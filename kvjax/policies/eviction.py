@@ -38,16 +38,28 @@ class ScoredEviction(Policy):
         super().validate(page_size)
         _check_budget(self)
 
+    @property
+    def always_kept(self) -> int:
+        """Slots per head `scores` marks +inf, kept outside any budget split (Ada-KV): SnapKV's window, H2O's
+        recent tokens, TOVA's newest token."""
+        return 0
+
+    def layer_budgets(self, num_layers: int) -> tuple[int, ...]:
+        """Each layer's per-head budget (static): `token_budget` in every layer, or PyramidKV's pyramid. The
+        steps index it with their traced layer, as data."""
+        return (self.token_budget,) * num_layers
+
     def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
-        return min(prompt_len, self.token_budget)
+        return min(prompt_len, max(self.layer_budgets(2)))
 
     def scores(self, view: LayerView) -> jax.Array:
         """f32[B, H, S], higher = keep; -inf where a slot is invalid."""
         raise NotImplementedError
 
     def head_budgets(self, view: LayerView, scores: jax.Array) -> jax.Array:
-        """int32[B, H] slots to keep per head (before clamping to the length)."""
-        return jnp.full(view.lengths.shape, self.token_budget, jnp.int32)
+        """int32[B, H] slots to keep per head (before clamping to the length): the layer's budget."""
+        budget = jnp.asarray(self.layer_budgets(view.num_layers), jnp.int32)[view.layer]
+        return jnp.full(view.lengths.shape, budget, jnp.int32)
 
     def compress_layer(self, view: LayerView, keep_bound: int):
         scores = jnp.where(view.valid, self.scores(view), NEG)

@@ -29,6 +29,10 @@ class H2O(ScoredEviction):
     def recent(self) -> int:
         return self.token_budget // 2 if self.recent_size is None else self.recent_size
 
+    @property
+    def always_kept(self) -> int:
+        return self.recent
+
     def validate(self, page_size: int) -> None:
         super().validate(page_size)
         _check_budget(self, self.recent, "recent_size")

@@ -29,6 +29,10 @@ class SnapKV(ScoredEviction):
     def window_size(self) -> int:
         return self.window
 
+    @property
+    def always_kept(self) -> int:
+        return self.window
+
     def validate(self, page_size: int) -> None:
         super().validate(page_size)
         _check_budget(self, self.window, "window")

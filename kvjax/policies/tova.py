@@ -30,6 +30,10 @@ class TOVA(ScoredEviction):
     def window_size(self) -> int:
         return 1
 
+    @property
+    def always_kept(self) -> int:
+        return 1  # the newest token: the last query's own
+
     def slots_needed(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> int:
         # the cache grows to budget + 1 before a decode step evicts
         return min(prompt_len + max_new_tokens, max(prompt_len, self.token_budget + 1))
