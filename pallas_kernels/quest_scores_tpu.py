@@ -22,6 +22,24 @@ from ._backend import any_memory_space, tpu_compiler_params
 LANES = 128
 
 
+def copy_used_pages(page_table_ref, table_start, max_pages: int, first, count: int, used, arrays) -> None:
+    """Copy, for the block's `count` logical pages from `first` that are below `used`, each physical page's
+    row of every `(hbm, vmem buffer, semaphore)` in `arrays` (the buffer's row i for logical page first + i),
+    all started before any is waited on. `table_start`: the head's offset in the flat SMEM page table."""
+    copies = []
+    for i in range(count):
+        logical = first + i
+        page = page_table_ref[table_start + jnp.minimum(logical, max_pages - 1)]
+        copies.append((logical < used, [pltpu.make_async_copy(hbm.at[pl.ds(page, 1)], buf.at[pl.ds(i, 1)], sem)
+                                        for hbm, buf, sem in arrays]))
+    for in_use, page_copies in copies:
+        for copy in page_copies:
+            pl.when(in_use)(copy.start)
+    for in_use, page_copies in copies:
+        for copy in page_copies:
+            pl.when(in_use)(copy.wait)
+
+
 def _scores_kernel(
     page_table_ref,  # SMEM int32[B * KVH * P]
     lengths_ref,  # SMEM int32[B * KVH]
@@ -46,30 +64,10 @@ def _scores_kernel(
     current = (length - 1) // page_size
     first = block * pages_per_block
 
-    copies = []
-    for i in range(pages_per_block):
-        logical = first + i
-        page = page_table_ref[kv_row * max_pages + jnp.minimum(logical, max_pages - 1)]
-        copies.append(
-            (
-                logical < used,
-                pltpu.make_async_copy(kmin_hbm.at[pl.ds(page, 1)], kmin_buf.at[pl.ds(i, 1)], sems.at[0]),
-                pltpu.make_async_copy(kmax_hbm.at[pl.ds(page, 1)], kmax_buf.at[pl.ds(i, 1)], sems.at[1]),
-            )
-        )
-    for in_use, min_copy, max_copy in copies:
-
-        @pl.when(in_use)
-        def _():
-            min_copy.start()
-            max_copy.start()
-
-    for in_use, min_copy, max_copy in copies:
-
-        @pl.when(in_use)
-        def _():
-            min_copy.wait()
-            max_copy.wait()
+    copy_used_pages(
+        page_table_ref, kv_row * max_pages, max_pages, first, pages_per_block, used,
+        [(kmin_hbm, kmin_buf, sems.at[0]), (kmax_hbm, kmax_buf, sems.at[1])],
+    )
 
     q = q_ref[...].astype(jnp.float32)  # [G, D]
     q_pos, q_neg = jnp.maximum(q, 0.0), jnp.minimum(q, 0.0)

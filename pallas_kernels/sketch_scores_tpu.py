@@ -19,6 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from . import _pages
 from ._backend import any_memory_space, tpu_compiler_params
 from ._quant import page_values
+from .quest_scores_tpu import copy_used_pages
 
 PAGES_PER_BLOCK = 16  # pages scored per grid step (an unrolled loop of small products)
 
@@ -79,15 +80,8 @@ def _kernel(
     current = (length - 1) // page_size
     first = block * pages_per_block
 
-    copies = []
-    for i in range(pages_per_block):
-        logical = first + i
-        page = page_table_ref[kv_row * max_pages + jnp.minimum(logical, max_pages - 1)]
-        copies.append((logical < used, pltpu.make_async_copy(codes_hbm.at[pl.ds(page, 1)], codes_buf.at[pl.ds(i, 1)], sem)))
-    for in_use, copy in copies:
-        pl.when(in_use)(copy.start)
-    for in_use, copy in copies:
-        pl.when(in_use)(copy.wait)
+    copy_used_pages(page_table_ref, kv_row * max_pages, max_pages, first, pages_per_block, used,
+                    [(codes_hbm, codes_buf, sem)])
 
     q_parts = [q_ref[...] for q_ref in q_refs]  # float32 [G, R] each
     lane = lax.broadcasted_iota(jnp.int32, scores_ref.shape, 1)
