@@ -25,6 +25,10 @@ def cmd_generate(args) -> int:
     from kvjax.util.compilation_cache import enable_compilation_cache
     from kvjax.policies.options import parse_policy_options
 
+    if args.mesh:  # join the multi-process runtime (kvjax.distributed.launch) before any JAX computation
+        from kvjax import distributed as dist
+
+        dist.initialize()
     enable_compilation_cache()
 
     if args.prompt is None and args.prompt_file is None:
@@ -46,11 +50,21 @@ def cmd_generate(args) -> int:
         ids = list(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
     else:
         ids = model.tokenizer(prompt)["input_ids"]
-    tokens = kvjax.generate(
-        model, [ids], args.max_new_tokens, policy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, page_size=args.page_size, chunk_size=args.chunk_size, decode_last=args.decode_last,
-        allow_longer_context=args.allow_longer_context, progress=not args.json,
-    )[0]
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    page_size=args.page_size, chunk_size=args.chunk_size, decode_last=args.decode_last)
+    if args.mesh:
+        import jax
+
+        from kvjax.engine.generation import check_context
+
+        check_context(model.cfg, len(ids), args.max_new_tokens, args.allow_longer_context)
+        tokens = dist.generate_sharded(model, [ids], args.max_new_tokens, policy, mesh=dist.mesh_from_text(args.mesh),
+                                       **sampling)[0]
+        if jax.process_index() != 0:  # every process holds the same tokens: one prints them
+            return 0
+    else:
+        tokens = kvjax.generate(model, [ids], args.max_new_tokens, policy, allow_longer_context=args.allow_longer_context,
+                                progress=not args.json, **sampling)[0]
     finished = time.perf_counter()
     new_ids = [int(t) for t in tokens if t >= 0]
     text = model.tokenizer.decode(new_ids, skip_special_tokens=True)
@@ -134,21 +148,34 @@ def cmd_fetch(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
+def server_of(args):
+    """The model and `ServerConfig` of `kvjax serve`'s arguments (with `--mesh 1xM`, heads over M devices)."""
     import kvjax
-    from kvjax.util.compilation_cache import enable_compilation_cache
     from kvjax.policies.options import parse_policy_options
-    from kvjax.serving.http import ServerConfig, serve
+    from kvjax.serving.http import ServerConfig
 
-    enable_compilation_cache()
     policy = kvjax.make_policy(args.policy, **parse_policy_options(args.policy, args.policy_option))
     model = kvjax.load_model(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
-    name = args.served_name or args.model
-    config = ServerConfig(name, policy, args.max_context or model.cfg.max_position_embeddings,
+    backend = None
+    if args.mesh:
+        from kvjax import distributed as dist
+
+        model, backend = dist.on_mesh(model, dist.mesh_from_text(args.mesh))
+    config = ServerConfig(args.served_name or args.model, policy, args.max_context or model.cfg.max_position_embeddings,
                           chunk_size=args.chunk_size, page_size=args.page_size,
                           steps_per_dispatch=args.steps_per_dispatch, max_rows=args.max_rows,
-                          prefix_cache_mb=args.prefix_cache_mb, prefill_chunks_per_step=args.prefill_chunks_per_step)
-    print(f"serving {name} ({args.policy}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+                          prefix_cache_mb=args.prefix_cache_mb, prefill_chunks_per_step=args.prefill_chunks_per_step,
+                          backend=backend)
+    return model, config
+
+
+def cmd_serve(args) -> int:
+    from kvjax.util.compilation_cache import enable_compilation_cache
+    from kvjax.serving.http import serve
+
+    enable_compilation_cache()
+    model, config = server_of(args)
+    print(f"serving {config.model_name} ({args.policy}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve(model, config, args.host, args.port)
     return 0
 
@@ -176,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chunk-size", type=int, default=512)
     gen.add_argument("--decode-last", type=int, default=0, help="feed the last N prompt tokens as decode steps")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--mesh", default=None, metavar="DATAxMODEL",
+                     help="generate over a device mesh, e.g. 1x8 (heads over 8 devices); over several processes "
+                          "started by python -m kvjax.distributed.launch (docs/sharding.md)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=cmd_generate)
 
@@ -216,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV page dtype (default: --dtype); int8 keeps one float32 scale per slot")
     srv.add_argument("--max-rows", type=int, default=4,
                      help="requests decoded together per batch; each batch's pool holds this many full-context rows")
+    srv.add_argument("--mesh", default=None, metavar="1xM",
+                     help="split the model's heads (and each batch's KV pages) over M devices of this process")
     srv.add_argument("--prefix-cache-mb", type=int, default=256,
                      help="memory for prefill states at chunk boundaries, reused by prompts sharing whole chunks (0: off)")
     srv.add_argument("--prefill-chunks-per-step", type=int, default=0,

@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="use at most this many examples")
     p.add_argument("--seed", type=int, default=0, help="heads' initialisation and data order")
     p.add_argument("--no-resume", action="store_true", help="start afresh even if --out holds checkpoints")
+    p.add_argument("--mesh", default=None, metavar="DATAx1",
+                   help="data-parallel over a device mesh (--batch-size split over DATA), also over several processes "
+                        "started by python -m kvjax.distributed.launch; checkpoints resume on any mesh")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # simulate a kill (tests)
     args = p.parse_args(argv)
@@ -97,13 +100,17 @@ def _manager(directory: str, save_every: int, keep: int):
 
 
 def _restore(manager, template):
+    """The latest checkpoint, placed as `template`'s arrays are (one device, or replicated over a mesh of
+    any number of processes, whichever wrote it)."""
     import jax
     import orbax.checkpoint as ocp
 
     step = manager.latest_step()
     if step is None:
         return None
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), template
+    )
     restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
     return step, restored["state"], restored["meta"]
 
@@ -150,8 +157,13 @@ def plot_losses(metrics_path: str, png: str, title: str = "Locret heads",
 def main(argv=None) -> dict:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.mesh:  # join the multi-process runtime (kvjax.distributed.launch) before any JAX computation
+        from kvjax import distributed as dist
+
+        dist.initialize()
     import jax
     import jax.numpy as jnp
+    import numpy as np
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
@@ -185,6 +197,18 @@ def main(argv=None) -> dict:
     )
     optimizer, step_fn = _optimizer_and_step(tuple(sorted(options.items())), model.cfg, model.dtype, args.chunk_size, args.alpha)
     opt_state = optimizer.init(heads)
+    place = lambda batch: jax.tree_util.tree_map(jnp.asarray, batch)  # noqa: E731
+    frozen, main_process = model.params, jax.process_index() == 0
+    if args.mesh:  # heads, optimizer state and model replicated; each step's batch split over "data"
+        from kvjax.locret.training import loss_fn
+
+        mesh = dist.mesh_from_text(args.mesh)
+        if args.batch_size % mesh.shape["data"]:
+            raise SystemExit(f"--batch-size {args.batch_size} must divide by the mesh's data axis ({mesh.shape['data']})")
+        loss = functools.partial(loss_fn, cfg=model.cfg, dtype=model.dtype, chunk_size=args.chunk_size, alpha=args.alpha)
+        step_fn = dist.make_data_parallel_step(loss, optimizer, mesh)
+        heads, opt_state, frozen = (dist.replicate(tree, mesh) for tree in (heads, opt_state, model.params))
+        place = functools.partial(dist.place_batch, mesh=mesh)
     schedule = lr_schedule(args.lr, args.steps, args.warmup)
 
     os.makedirs(args.out, exist_ok=True)
@@ -196,22 +220,23 @@ def main(argv=None) -> dict:
         start, state, meta = restored
         heads, opt_state = state["heads"], state["opt_state"]
         print(f"resumed from step {start} ({meta})", file=sys.stderr)
-        truncate_metrics(metrics_path, start)
-    elif os.path.exists(metrics_path):
+        if main_process:
+            truncate_metrics(metrics_path, start)
+    elif os.path.exists(metrics_path) and main_process:
         os.remove(metrics_path)
 
     timed_steps, timed_seconds, timed_tokens = 0, 0.0, 0
     shapes_seen = set()  # a step with a new padded shape compiles: throughput leaves it out
     loss = float("nan")
     bar = tqdm(total=args.steps, initial=start, desc="locret", unit="step", disable=args.no_progress)
-    with open(metrics_path, "a") as log:
+    with open(metrics_path if main_process else os.devnull, "a") as log:  # one process writes the metrics
         for step in range(start, args.steps):
             if args.stop_after is not None and step - start >= args.stop_after:
                 break
             batch = make_batch([examples[i] for i in batch_indices(step, args.batch_size, len(examples), args.seed)], args.chunk_size)
             tokens = int(batch.prefix_len.sum() + batch.answer_len.sum())
             began = time.perf_counter()
-            heads, opt_state, loss_array = step_fn(heads, opt_state, model.params, jax.tree_util.tree_map(jnp.asarray, batch))
+            heads, opt_state, loss_array = step_fn(heads, opt_state, frozen, place(batch))
             loss = float(loss_array)
             seconds = time.perf_counter() - began
             shape = (batch.prefix.shape, batch.answer.shape)
@@ -245,9 +270,12 @@ def main(argv=None) -> dict:
         "args": vars(args),
     }
     if args.stop_after is None:
-        final = RetainingHeads(config, heads)
         model_name = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
-        save_heads(os.path.join(args.out, "heads"), final, extra={"model": model_name, "steps": args.steps})
+        # every process takes part in orbax's save; one writes the other files
+        save_heads(os.path.join(args.out, "heads"), RetainingHeads(config, heads), extra={"model": model_name, "steps": args.steps})
+        if not main_process:
+            return summary
+        final = RetainingHeads(config, jax.tree_util.tree_map(np.asarray, heads))
         export_safetensors(final, os.path.join(args.out, "heads.safetensors"), args.export_dtype)
         with open(os.path.join(args.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

@@ -129,11 +129,11 @@ class KVState:
 
     @property
     def page_size(self) -> int:
-        return self.k_pages.shape[1]
+        return self.k_pages.shape[-2]  # counted from the end: also a stacked state's (kvjax.distributed), per shard
 
     @property
     def num_pages(self) -> int:
-        return self.k_pages.shape[0]
+        return self.k_pages.shape[-3]
 
     @property
     def max_pages(self) -> int:

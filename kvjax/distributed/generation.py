@@ -99,7 +99,18 @@ def _backend(mesh: Mesh, plan: ShardingPlan) -> StepBackend:
         sharded_overflow_error,
         lambda x: jax.device_put(np.asarray(x), batch),
         to_host,
+        placement,
     )
+
+
+def on_mesh(model: Model, mesh: Mesh, on_indivisible: str = "error") -> tuple[Model, StepBackend]:
+    """`model` with its parameters on `mesh` and the `StepBackend` of the one step there, for code written
+    against a backend (`kvjax.serving.batch_engine.BatchEngine(model, backend=...)`). The serving engine's
+    rows are not split: the mesh's data axis must be 1 (heads over "model")."""
+    model, plan = _placed(model, mesh, on_indivisible)
+    if plan.data != 1:
+        raise ValueError(f"on_mesh splits heads only: the mesh's data axis must be 1, got {plan.data}")
+    return model, _backend(mesh, plan)
 
 
 def _placed(model: Model, mesh: Mesh, on_indivisible: str) -> tuple[Model, ShardingPlan]:

@@ -48,6 +48,37 @@ def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
     return Mesh(np.asarray(devices[: data * model], dtype=object).reshape(data, model), AXES)
 
 
+def local_model_mesh(data: int, model: int) -> Mesh:
+    """A `data x model` mesh whose "model" axis stays inside each process (a host's fast links carry the
+    per-layer all-reduces) and whose "data" axis spans processes: `mesh_utils.create_hybrid_device_mesh`
+    with a process as the granule. `model` must divide the devices of one process."""
+    from jax.experimental import mesh_utils
+
+    processes, local = jax.process_count(), jax.local_device_count()
+    if local % model or data % processes or data * model != processes * local:
+        raise ValueError(
+            f"a {data}x{model} mesh with the model axis inside a process needs model to divide the {local} devices "
+            f"of a process and data * model == all {processes * local} devices, with data a multiple of the "
+            f"{processes} processes"
+        )
+    grid = mesh_utils.create_hybrid_device_mesh(
+        (data // processes, model), (processes, 1), jax.devices(), process_is_granule=True
+    )
+    return Mesh(grid, AXES)
+
+
+def mesh_from_text(text: str) -> Mesh:
+    """The mesh of a command line's `--mesh DATAxMODEL` ("2x4"): over several processes, the model axis
+    inside each process when it fits there (`local_model_mesh`), else `make_mesh`'s device order."""
+    try:
+        data, model = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--mesh takes DATAxMODEL, e.g. 2x4, got {text!r}") from None
+    if jax.process_count() > 1 and jax.local_device_count() % model == 0 and data * model == len(jax.devices()):
+        return local_model_mesh(data, model)
+    return make_mesh(data, model)
+
+
 def mesh_shape(mesh: Mesh) -> tuple[int, int]:
     """(data, model) sizes of a mesh made by `make_mesh` (or any mesh with those two axis names)."""
     missing = [a for a in AXES if a not in mesh.shape]

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -86,11 +87,20 @@ def make_data_parallel_step(loss_fn: LossFn, optimizer: optax.GradientTransforma
     return step
 
 
+def _host_side(tree):
+    """Arrays held by this process alone as numpy: a mesh over several processes is filled from host data
+    every process holds alike (SPMD), not from another process's device."""
+    if jax.process_count() == 1:
+        return tree
+    return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x, tree)
+
+
 def place_batch(batch, mesh: Mesh):
-    """Put a host batch on `mesh`, split over "data" along its leading axis."""
-    return jax.device_put(batch, NamedSharding(mesh, P(DATA)))
+    """Put a host batch (the whole global batch, the same on every process) on `mesh`, split over "data"
+    along its leading axis."""
+    return jax.device_put(_host_side(batch), NamedSharding(mesh, P(DATA)))
 
 
 def replicate(tree, mesh: Mesh):
     """Put a pytree on every device of `mesh`."""
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+    return jax.device_put(_host_side(tree), NamedSharding(mesh, P()))

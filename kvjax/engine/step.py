@@ -445,6 +445,7 @@ class StepBackend(NamedTuple):
     overflow_error: Callable[[KVState], Exception | None]
     put: Callable[[Any], jax.Array]  # a host array with a leading batch axis -> a device array
     fetch: Callable[[jax.Array], Any] = jax.device_get  # a step's output -> host numpy (on a mesh: gathered)
+    placement: OneDevice = ONE_DEVICE  # the steps' placement, for other per-shard work on the state (rows)
 
 
 def local_state(cfg, batch, capacity, page_size, num_pages, dtype, long_rope, read_pages) -> KVState:

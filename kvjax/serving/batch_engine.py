@@ -30,6 +30,7 @@ pages (refcounted; `tests/test_prefix_states.py`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,12 +53,12 @@ from kvjax.models.loading import Model
 from kvjax.util.lru import BytesLRU
 from kvjax.policies import Policy
 from kvjax.models.rope import uses_long_factors
-from kvjax.cache.rows import insert_row, pages_held, release_row
+from kvjax.cache.rows import insert_row, release_row
 from kvjax.serving.memory import MemorySample, sample_memory
 from kvjax.serving.prefix_states import PrefixStates, chunk_boundaries
 from kvjax.engine.sampling import sample_first_tokens, validate_sampling
-from kvjax.cache.state import CacheCapacityError, KVState, init_state, overflow_error, pages_for
-from kvjax.engine.step import LOCAL_BACKEND
+from kvjax.cache.state import CacheCapacityError, KVState, pages_for
+from kvjax.engine.step import LOCAL_BACKEND, StepBackend
 
 
 @dataclass(eq=False)
@@ -122,8 +123,8 @@ class _Batch:
         self.eos = jnp.asarray(np.asarray(eos, np.int32).reshape(-1))
         R = engine.max_rows
         num_pages = engine.pool_pages or R * row_pages(cfg, engine.capacity, engine.page_size)
-        self.state = init_state(cfg, R, engine.capacity, engine.page_size, num_pages=num_pages,
-                                dtype=engine.model.cache_dtype, long_rope=long_rope)
+        self.state = engine.backend.new_state(cfg, R, engine.capacity, engine.page_size, num_pages,
+                                              engine.model.cache_dtype, long_rope, None)
         self.read_pages: tuple | None = ()  # () until the first row: then the rows' largest bounds
         self.logits = jnp.zeros((R, cfg.vocab_size), jnp.float32)
         self.pending = np.zeros(R, np.int32)
@@ -162,6 +163,16 @@ class _Batch:
         self.state = self.state.replace(read_pages=self.read_pages)
 
 
+@functools.lru_cache(maxsize=None)
+def _row_operations(placement) -> tuple[Callable, Callable]:
+    """`insert_row` and `release_row` where `placement`'s states live: a row joins and leaves a batch on
+    every shard of it, so on a mesh they run per shard (compiled once per mesh)."""
+    if not placement.sharded:
+        return insert_row, release_row
+    insert = placement.per_shard(insert_row, ("state", "state", "", "", ""), "state")
+    return jax.jit(insert, donate_argnums=0), jax.jit(placement.per_shard(release_row, ("state", ""), "state"), donate_argnums=0)
+
+
 class BatchEngine:
     """Continuous batching over `generate`'s prefill, step and decode loop (module docstring).
 
@@ -178,12 +189,14 @@ class BatchEngine:
     dispatches, record what the dispatched batch's pages hold in `memory_samples` (`kvjax.serving.memory`;
     a host read of the batch's page tables and slot positions; 0, the default, records nothing).
     A request that cannot fit `capacity` is refused at `submit` (ValueError); one that fits but finds no
-    free row or too few free pages waits, prefilled, until a row finishes."""
+    free row or too few free pages waits, prefilled, until a row finishes. `backend`: where the states live
+    and which step advances them (default one device; `kvjax.distributed.on_mesh` gives a model with its heads
+    split over a mesh's devices and its backend; the prefix cache and memory samples are then off)."""
 
     def __init__(self, model: Model, *, max_rows: int = 8, capacity: int = 2048, page_size: int = 16,
                  pool_pages: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, prefix_cache_bytes: int = 256 << 20,
-                 prefill_chunks_per_step: int = 0, memory_every: int = 0):
+                 prefill_chunks_per_step: int = 0, memory_every: int = 0, backend: StepBackend | None = None):
         if max_rows < 1 or capacity < 1 or steps_per_dispatch < 1:
             raise ValueError(f"max_rows, capacity and steps_per_dispatch must be >= 1, got {max_rows}, {capacity}, "
                              f"{steps_per_dispatch}")
@@ -194,8 +207,14 @@ class BatchEngine:
         self.prefill_chunks_per_step = prefill_chunks_per_step
         if memory_every < 0:
             raise ValueError(f"memory_every must be >= 0 (0: never), got {memory_every}")
+        self.backend = backend or LOCAL_BACKEND
+        sharded = self.backend.placement.sharded
+        if sharded and memory_every:
+            raise ValueError("memory_every reads one device's state; it is not available on a mesh")
         self.memory_every = memory_every
         self.memory_samples: list[MemorySample] = []
+        self._insert_row, self._release_row = _row_operations(self.backend.placement)
+        prefix_cache_bytes = 0 if sharded else prefix_cache_bytes  # its resume inserts a one-device row
         # one byte budget for prefix carries and whatever else shares it (RAG chunks: ChunkStore(lru=...))
         self.cache = BytesLRU(prefix_cache_bytes)
         self.prefix = PrefixStates(lru=self.cache) if prefix_cache_bytes else None
@@ -246,6 +265,8 @@ class BatchEngine:
         f32[1, V]`. It continues as an ordinary request: first token sampled from `logits`, then decoded in
         a batch with `policy`'s decode-time roles (default full). Its page table may be narrower than the
         engine's capacity, not wider."""
+        if self.backend.placement.sharded:
+            raise ValueError("submit_prefilled takes a one-device state; this engine's states live on a mesh")
         if state.page_table.shape[1] != 1:
             raise ValueError(f"submit_prefilled takes a one-sequence state, got {state.page_table.shape[1]} sequences")
         if state.page_size != self.page_size or state.max_pages > pages_for(self.capacity, self.page_size):
@@ -284,10 +305,10 @@ class BatchEngine:
             self._dispatch(live[self._turn % len(live)])
             self._turn += 1
         elif self.ready:  # nothing live will free pages: the request can never fit
-            blocked = self.ready[0]
+            held = int(self._pages_by_shard(self.ready[0].state).max())
             raise CacheCapacityError(
-                f"request {blocked.request.request_id} holds {pages_held(blocked.state)} pages, more than a batch "
-                "pool has: raise pool_pages", pages_held(blocked.state), 0)
+                f"request {self.ready[0].request.request_id} holds {held} pages, more than a batch pool has: "
+                "raise pool_pages", held, 0)
         self._drop_idle_batches()
 
     def _drop_idle_batches(self) -> None:
@@ -295,7 +316,7 @@ class BatchEngine:
         wanted = {item.request.batch_key + (item.long_rope,) for item in self.ready}
         for key in [k for k, b in self.batches.items() if not b.live and k not in wanted]:
             state = self.batches.pop(key).state
-            self.leaked_pages += state.num_pages - int(state.num_free)
+            self.leaked_pages += int(np.sum(state.num_pages - self.backend.fetch(state.num_free)))
 
     def _advance_prefill(self) -> None:
         """Prefill chunks until `prefill_chunks_per_step` ran (0: until no waiting request is left, or one
@@ -335,9 +356,9 @@ class BatchEngine:
             on_chunk = lambda carry: self.prefix.store(key, boundaries, carry)  # noqa: E731
         state, logits = yield from prefill_row_steps(
             model, [head], request.policy, self.page_size, self.capacity, self.chunk_size, declared,
-            request.max_new_tokens + tail, resume=resume, on_chunk=on_chunk,
+            request.max_new_tokens + tail, self.backend, resume=resume, on_chunk=on_chunk,
         )
-        state, logits = feed_tokens(model, state, logits, [prompt[len(prompt) - tail:]], request.policy)
+        state, logits = feed_tokens(model, state, logits, [prompt[len(prompt) - tail:]], request.policy, self.backend)
         self._sample_first(request, state, logits, uses_long_factors(model.cfg, declared), boundaries)
 
     def _sample_first(self, request: BatchRequest, state: KVState, logits: jax.Array, long_rope: bool,
@@ -363,13 +384,15 @@ class BatchEngine:
             slot = batch.free_row()
             source, shared = batch.shared_prefix(item.boundaries, self.page_size)
             cfg = self.model.cfg
-            if slot is None or pages_held(item.state) - shared * cfg.num_layers * cfg.num_kv_heads > int(batch.state.num_free):
+            heads = item.state.page_table.shape[-2]  # kv heads per shard
+            free = self.backend.fetch(batch.state.num_free).reshape(-1)
+            if slot is None or np.any(self._pages_by_shard(item.state) - shared * cfg.num_layers * heads > free):
                 still.append(item)
                 continue
             batch.widen_reads(item.state.read_pages)
             # the row's own read bounds are static data: dropped, so one insert program serves every row
-            batch.state = insert_row(batch.state, item.state.replace(read_pages=None), jnp.int32(slot),
-                                     jnp.int32(source), jnp.int32(shared))
+            batch.state = self._insert_row(batch.state, item.state.replace(read_pages=None), jnp.int32(slot),
+                                           jnp.int32(source), jnp.int32(shared))
             self.shared_pages += shared * cfg.num_layers * cfg.num_kv_heads
             if batch.shares:
                 batch.prefixes.update({digest: (slot, tokens) for tokens, digest in item.boundaries})
@@ -385,14 +408,14 @@ class BatchEngine:
         done = jnp.asarray(limit <= 0)
         run = decode_steps(
             self.model.decode_params, batch.state, batch.logits, jnp.asarray(batch.pending), batch.keys, done, batch.eos,
-            jnp.asarray(limit), step=LOCAL_BACKEND.append_step, steps=self.steps, cfg=self.model.cfg,
+            jnp.asarray(limit), step=self.backend.append_step, steps=self.steps, cfg=self.model.cfg,
             dtype=self.model.dtype, policy=batch.policy, temperature=batch.temperature, top_k=batch.top_k,
             top_p=batch.top_p,
         )
         batch.state, batch.logits, batch.keys = run.state, run.logits, run.key
         batch.pending = np.array(run.pending)
         self.dispatches += 1
-        error = overflow_error(batch.state)
+        error = self.backend.overflow_error(batch.state)
         if error is not None:
             raise error
         if self.memory_every and self.dispatches % self.memory_every == 0:
@@ -406,9 +429,14 @@ class BatchEngine:
                 continue
             got = tokens[slot] >= 0
             if self._emit(request, tokens[slot][got].tolist(), logprobs[slot][got].tolist()):
-                batch.state = release_row(batch.state, jnp.int32(slot))
+                batch.state = self._release_row(batch.state, jnp.int32(slot))
                 batch.rows[slot] = None
                 batch.forget_row(slot)
+
+    def _pages_by_shard(self, state: KVState) -> np.ndarray:
+        """int[shards]: pages a one-sequence state holds on each shard (one entry on one device)."""
+        table = self.backend.fetch(state.page_table)
+        return (table >= 0).reshape(np.size(self.backend.fetch(state.num_free)), -1).sum(axis=1)
 
     def _emit(self, request: BatchRequest, tokens: list[int], logprobs: list[float]) -> bool:
         """Record new tokens; returns whether the request finished."""

@@ -124,14 +124,14 @@ class Worker:
     served, submits them, steps the engine while it has work, and streams each job's text."""
 
     def __init__(self, model: Model, chunk_size: int, page_size: int, steps_per_dispatch: int, max_rows: int = 4,
-                 capacity: int = 2048, prefix_cache_mb: int = 256, prefill_chunks_per_step: int = 0):
+                 capacity: int = 2048, prefix_cache_mb: int = 256, prefill_chunks_per_step: int = 0, backend=None):
         from kvjax.serving.batch_engine import BatchEngine
 
         self.model = model
         self.new_engine = lambda: BatchEngine(model, max_rows=max_rows, capacity=capacity, page_size=page_size,  # noqa: E731
                                               chunk_size=chunk_size, steps_per_dispatch=steps_per_dispatch,
                                               prefix_cache_bytes=prefix_cache_mb << 20,
-                                              prefill_chunks_per_step=prefill_chunks_per_step)
+                                              prefill_chunks_per_step=prefill_chunks_per_step, backend=backend)
         self.engine = self.new_engine()
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.running: dict[str, Job] = {}
@@ -245,6 +245,7 @@ class ServerConfig:
     max_rows: int = 4  # rows of a decode batch: requests served together
     prefix_cache_mb: int = 256  # prefill states kept for prompts sharing whole chunks (0: off)
     prefill_chunks_per_step: int = 0  # prefill chunks between two dispatches (0: whole prompts first)
+    backend: Any = None  # the engine's StepBackend (None: one device; `kvjax.distributed.on_mesh`: heads over a mesh)
 
 
 def create_app(model: Model, config: ServerConfig) -> FastAPI:
@@ -253,7 +254,7 @@ def create_app(model: Model, config: ServerConfig) -> FastAPI:
         raise ValueError("kvjax serve needs a model with a tokenizer")
     app = FastAPI(title="kvjax", description="OpenAI-compatible completions over kvjax's compressed KV caches")
     worker = Worker(model, config.chunk_size, config.page_size, config.steps_per_dispatch, config.max_rows,
-                    config.max_context, config.prefix_cache_mb, config.prefill_chunks_per_step)
+                    config.max_context, config.prefix_cache_mb, config.prefill_chunks_per_step, config.backend)
     app.state.worker = worker
     created = int(time.time())
 
