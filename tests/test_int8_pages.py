@@ -65,7 +65,7 @@ def tiny():
     return kvjax.load_model("tiny")
 
 
-@pytest.mark.parametrize("name", ["full", "quest", "snapkv", "h2o"])
+@pytest.mark.parametrize("name", ["full", "quest", "snapkv", "h2o", "tova", "streaming", "ada_snapkv", "pyramid"])
 def test_generation_with_int8_pages_stays_near_float32_pages(tiny, name):
     prompt = np.random.default_rng(5).integers(0, tiny.cfg.vocab_size, size=(2, 160)).astype(np.int32)
     policy = kvjax.make_policy(name, **({} if name == "full" else {"token_budget": 64}))
@@ -73,7 +73,8 @@ def test_generation_with_int8_pages_stays_near_float32_pages(tiny, name):
     tokens32, logprobs32 = kvjax.generate(tiny, prompt, **kwargs)
     tokens8, logprobs8 = kvjax.generate(tiny.with_kv_dtype("int8"), prompt, **kwargs)
     np.testing.assert_array_equal(tokens8, tokens32)
-    # measured: full 0.022, Quest 0.062 (its page bounds move with the rounding), SnapKV 0.004, H2O 0.001
+    # measured once: full 0.022, Quest 0.062 (its page bounds move with the rounding), SnapKV 0.004, H2O 0.001;
+    # the README states the tolerance checked here
     np.testing.assert_allclose(logprobs8, logprobs32, atol=0.1)
     assert not np.array_equal(logprobs8, logprobs32)  # the int8 pages were really used
 
