@@ -186,3 +186,10 @@ def locret_real_summary(payload: dict) -> str:
              *[cell(length, task, p, f) for p, f, _ in columns]] for length, task in points]
     return markdown_table(["context, task", *[t for _, _, t in columns]], rows) + \
         f"\nFrom the sweeps {', '.join(payload['sweeps'])}.\n"
+
+
+def demo(payload: dict) -> str:
+    """`kvjax demo --json`: the demo's own table, with the load it ran under."""
+    from .demo import demo_table
+
+    return demo_table(payload).strip() + f" {load_line(payload)}\n"
