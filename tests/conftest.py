@@ -217,6 +217,35 @@ def take_background_run(args: tuple):
     return _BACKGROUND.pop(tuple(args), None)
 
 
+# ------------------------------------------------------------------ checks CI must not skip
+
+# KVJAX_TEST_REQUIRE="real kvpress" (.ci/run) turns these skips into a failed run: a test that skips because
+# the real model is not fetched, or because kvpress's venv is absent, then fails the session. Each name maps
+# to the words its skip reason carries (tests/test_real_model.py, tests/test_kvpress_crosscheck.py).
+REQUIRED_SKIPS = {"real": "kvjax fetch", "kvpress": "no kvpress venv"}
+_required_skipped: list[str] = []
+
+
+def _note_required_skip(report) -> None:
+    if not report.skipped:
+        return
+    reason = str(report.longrepr)
+    for name in os.environ.get("KVJAX_TEST_REQUIRE", "").split():
+        if REQUIRED_SKIPS[name] in reason:
+            _required_skipped.append(f"{report.nodeid or report.fspath}: {reason}")
+
+
+def pytest_collectreport(report):
+    _note_required_skip(report)
+
+
+def pytest_runtest_logreport(report):
+    _note_required_skip(report)
+
+
 def pytest_sessionfinish(session, exitstatus):
     for proc in _BACKGROUND.values():  # runs no test claimed (deselected by a marker, a failure before)
         proc.kill()
+    if _required_skipped and not os.environ.get("PYTEST_XDIST_WORKER"):
+        print("\nKVJAX_TEST_REQUIRE: these checks skipped but are required here:\n  " + "\n  ".join(_required_skipped))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
