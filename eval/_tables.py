@@ -40,25 +40,6 @@ def dispatch(payload: dict) -> str:
             f"{payload['machine']['cpu_count']} cores. {load_line(payload)}\n")
 
 
-def real_speed(payload: dict) -> str:
-    """`kvjax bench real`: SmolLM2-135M in kvjax against transformers (bench_real's own table and note)."""
-    headers = ["dtype", "context", "kvjax prefill s", "transformers prefill s", "prefill speedup", "kvjax tok/s",
-               "transformers tok/s", "decode speedup", "kvjax GB/s (share of large read)",
-               "transformers GB/s (share)", "kvjax compile s (prefill + decode)"]
-    rows = [[r["dtype"], r["context"], r["kvjax"]["prefill_s"], r["transformers"]["prefill_s"],
-             f"{r['prefill_speedup']:.2f}x", r["kvjax"]["decode_tokens_per_s"], r["transformers"]["decode_tokens_per_s"],
-             f"{r['decode_speedup']:.2f}x",
-             f"{r['kvjax']['achieved_gbps']:.1f} ({100 * r['kvjax']['share_of_large_read']:.0f}%)",
-             f"{r['transformers']['achieved_gbps']:.1f} ({100 * r['transformers']['share_of_large_read']:.0f}%)",
-             r["kvjax"]["prefill_compile_s"] + r["kvjax"]["decode_compile_s"]] for r in payload["results"]]
-    m, c, read = payload["machine"], payload["config"], payload["large_read"]
-    return (markdown_table(headers, rows) +
-            f"\nSmolLM2-135M-Instruct (Q4_1 GGUF dequantised), batch {c['batch']}, {m.get('cpu_model', '')}, "
-            f"{m['cpu_count']} cores, torch threads {c['torch_threads']}; decode = median of {c['timed_steps']} steps "
-            f"after a warm-up; large read (jax sum) {read['jax_sum_gbps']:.1f} GB/s over {read['bytes'] / 2**30:.1f} "
-            f"GiB. {load_line(payload)}\n")
-
-
 def policies(payload: dict) -> str:
     """`kvjax bench policies`, float32 pages: decode and prefill of every policy, against full and SnapKV."""
     from .bench_policies import _vs_snapkv

@@ -19,8 +19,8 @@ import os
 import jax
 import numpy as np
 
-from ._report import default_out, machine_info, markdown_table, write_outputs
-from .bench_decode import bench_kvjax, bench_transformers, large_read_gbps
+from ._report import cpu_load, default_out, machine_info, markdown_table, write_outputs
+from .bench_decode import bench_kvjax, bench_transformers, read_bound
 
 MODEL = "smollm2-135m"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -88,7 +88,8 @@ def main(argv=None) -> dict:
     from kvjax.models.hub import resolve_model
 
     path = resolve_model(args.model)
-    large_read = large_read_gbps(args.read_gib)
+    load_before = cpu_load()
+    large_read = read_bound(args.read_gib)
     results = []
     for dtype in args.dtypes:
         model = kvjax.load_model(path, dtype=dtype)
@@ -119,6 +120,18 @@ def main(argv=None) -> dict:
                    "layers": cfg.num_layers, "hidden": cfg.hidden_size},
         "large_read": large_read, "results": results,
     }
+    payload.update(cpu_load_before=load_before, cpu_load_after=cpu_load())
+    text = render(payload)
+    paths = write_outputs(args.out, "bench_real", payload, text)
+    plot(payload, paths["json"].replace(".json", ".png"))
+    print(text)
+    return payload
+
+
+def render(payload: dict) -> str:
+    """The table and note of a run (its .md; the README and docs render it from the committed JSON)."""
+    from ._tables import load_line
+
     headers = ["dtype", "context", "kvjax prefill s", "transformers prefill s", "prefill speedup", "kvjax tok/s",
                "transformers tok/s", "decode speedup", "kvjax GB/s (share of large read)",
                "transformers GB/s (share)", "kvjax compile s (prefill + decode)"]
@@ -126,16 +139,13 @@ def main(argv=None) -> dict:
              f"{r['prefill_speedup']:.2f}x", r["kvjax"]["decode_tokens_per_s"], r["transformers"]["decode_tokens_per_s"],
              f"{r['decode_speedup']:.2f}x", f"{r['kvjax']['achieved_gbps']:.1f} ({100 * r['kvjax']['share_of_large_read']:.0f}%)",
              f"{r['transformers']['achieved_gbps']:.1f} ({100 * r['transformers']['share_of_large_read']:.0f}%)",
-             r["kvjax"]["prefill_compile_s"] + r["kvjax"]["decode_compile_s"]] for r in results]
-    table = markdown_table(headers, rows)
-    note = (f"\nSmolLM2-135M-Instruct (Q4_1 GGUF dequantised), batch 1, {payload['machine'].get('cpu_model', '')}, "
-            f"{payload['machine']['cpu_count']} cores, torch threads {args.threads}; decode = median of {args.steps} "
-            f"steps after a warm-up; large read (jax sum) {large_read['jax_sum_gbps']:.1f} GB/s over "
-            f"{large_read['bytes'] / 2**30:.1f} GiB.\n")
-    paths = write_outputs(args.out, "bench_real", payload, table + note)
-    plot(payload, paths["json"].replace(".json", ".png"))
-    print(table + note)
-    return payload
+             r["kvjax"]["prefill_compile_s"] + r["kvjax"]["decode_compile_s"]] for r in payload["results"]]
+    m, c, read = payload["machine"], payload["config"], payload["large_read"]
+    return (markdown_table(headers, rows) +
+            f"\nSmolLM2-135M-Instruct (Q4_1 GGUF dequantised), batch {c['batch']}, {m.get('cpu_model', '')}, "
+            f"{m['cpu_count']} cores, torch threads {c['torch_threads']}; decode = median of {c['timed_steps']} steps "
+            f"after a warm-up; large read (jax sum) {read['jax_sum_gbps']:.1f} GB/s over {read['bytes'] / 2**30:.1f} "
+            f"GiB. {load_line(payload)}\n")
 
 
 if __name__ == "__main__":
