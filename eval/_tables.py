@@ -174,3 +174,26 @@ def demo(payload: dict) -> str:
     from .demo import demo_table
 
     return demo_table(payload).strip() + f" {load_line(payload)}\n"
+
+
+def attention(payload: dict) -> str:
+    """`kvjax bench attention --components --row-groups 1 2 4`: dense paged decode against Quest at budgets
+    512 and 2048, per query head and (a row of its own) per kv head."""
+    budgets = (512, 2048)
+    headers = ["model", "context", "large read GB/s", "dense, one loop ms (of large read)",
+               "dense ms (GB/s, of large read)", *[f"Quest {b}" for b in budgets]]
+    rows = []
+    for r in payload["rows"]:
+        one, dense = r["dense_row_groups"]["1"], r["dense"]
+        for selection, label in (("query_head", r["model"]), ("kv_head", f"{r['model']} (per kv head)")):
+            quest = {q["budget"]: q for q in r["quest"] if q["selection"] == selection}
+            if not quest:
+                continue
+            cells = [f"{1e3 * quest[b]['median_s']:.2f} ms, {quest[b]['speedup_vs_dense']:.1f}x "
+                     f"({quest[b]['byte_ratio_vs_dense']:.1f}x)" if b in quest else "" for b in budgets]
+            rows.append([label, f"{r['context'] // 1024}K", f"{r['large_read']['median_gbps']:.1f}",
+                         f"{1e3 * one['median_s']:.1f} ({100 * one['of_large_read']:.0f}%)",
+                         f"{1e3 * dense['median_s']:.1f} ({dense['gbps']:.1f}, {100 * dense['of_large_read']:.0f}%)",
+                         *cells])
+    load = {"load_before": payload.get("load_start"), "load_after": payload.get("load_end")}
+    return markdown_table(headers, rows) + f"\nThe run took {payload['wall_s']:.0f} s. {load_line(load)}\n"
