@@ -197,3 +197,20 @@ def attention(payload: dict) -> str:
                          *cells])
     load = {"load_before": payload.get("load_start"), "load_after": payload.get("load_end")}
     return markdown_table(headers, rows) + f"\nThe run took {payload['wall_s']:.0f} s. {load_line(load)}\n"
+
+
+def cacheclip(payload: dict) -> str:
+    """`python -m eval.bench_cacheclip`: accuracy per request set, recompute ratio and prefill time per method
+    (the program's own table, from its JSON)."""
+    sets, setup, m = payload["setup"]["sets"], payload["setup"], payload["machine"]
+    rows = [[name, f"{e['recompute_ratio']:.0%}" if e["ratio"] is not None or name == "full" else "0%",
+             *(f"{e[f'accuracy_{s}']:.2f}" for s in sets),
+             "" if e["straddler_recall"] is None else f"{e['straddler_recall']:.2f}",
+             f"{e['prefill_ms_median']:.1f}", f"{e['speedup_vs_full']:.2f}x"] for name, e in payload["results"].items()]
+    header = ["method", "recomputed", *(f"acc {s}" for s in sets), "straddler recall", "prefill ms", "speedup vs full"]
+    return (markdown_table(header, rows) +
+            f"\n{setup['samples_per_set']} prompts per set, {setup['chunks']} chunks x {setup['chunk_len']} tokens; "
+            f"auxiliary model = the first {setup['aux_layers']} of {payload['model_config']['layers']} layers (scoring "
+            f"alone: {payload['aux_scoring_ms_median']:.1f} ms median). Prefill: median of {setup['repeats']} x "
+            f"{setup['timing_prompts']} warm runs, interleaved; {m.get('cpu_model', '')}, {m['cpu_count']} cores. "
+            f"{load_line(payload)}\n")
