@@ -214,3 +214,17 @@ def cacheclip(payload: dict) -> str:
             f"alone: {payload['aux_scoring_ms_median']:.1f} ms median). Prefill: median of {setup['repeats']} x "
             f"{setup['timing_prompts']} warm runs, interleaved; {m.get('cpu_model', '')}, {m['cpu_count']} cores. "
             f"{load_line(payload)}\n")
+
+
+def locret_quality(payload: dict) -> str:
+    """`python -m eval.locret_quality`: exact match per policy and budget (full cache: every budget)."""
+    results = payload["results"]
+    budgets = sorted({r["token_budget"] for r in results if r["token_budget"]})
+    names = {"full": "full cache", "locret": "Locret", "snapkv": "SnapKV", "h2o": "H2O"}
+    at = {(r["policy"], r["token_budget"]): r["accuracy"] for r in results}
+    rows = [[names.get(p, p), *[f"{at.get((p, None if p == 'full' else b), float('nan')):.2f}" for b in budgets]]
+            for p in dict.fromkeys(r["policy"] for r in results)]
+    s = payload["settings"]
+    return (markdown_table(["policy", *[f"budget {b}" for b in budgets]], rows) +
+            f"\n{s['samples']} samples, {s['length']}-token prompts, {s['records']} records, dense_layers="
+            f"{s['dense_layers']}; Locret: {payload['locret_options']}. {load_line(payload)}\n")
