@@ -77,31 +77,10 @@ def last_level_cache_bytes() -> int | None:
 
 
 def measure_large_read(num_bytes: int, repeats: int = 7, warmup: int = 2) -> dict[str, Any]:
-    """Read bandwidth of the default device: a jitted `jnp.sum` over a float32 buffer of `num_bytes` built
-    on the device (no host transfer), median and best of `repeats` after `warmup` calls. On CPU size it at
-    several times the last-level cache so it measures memory, not cache."""
-    import statistics
-    import time
+    """The default device's read bandwidth (`eval._timing.large_read`, jax only)."""
+    from ._timing import large_read
 
-    import jax
-    import jax.numpy as jnp
-
-    if num_bytes < 4:
-        raise ValueError(f"large read of {num_bytes} bytes: give at least one float32")
-    n = num_bytes // 4
-    data = jax.jit(lambda: jnp.full((n,), 0.5, jnp.float32))()
-    read = jax.jit(jnp.sum)
-    for _ in range(warmup):
-        jax.block_until_ready(read(data))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(read(data))
-        times.append(time.perf_counter() - start)
-    del data
-    median, best = statistics.median(times), min(times)
-    return {"bytes": n * 4, "repeats": repeats, "median_s": median, "min_s": best,
-            "median_gbps": n * 4 / median / 1e9, "best_gbps": n * 4 / best / 1e9}
+    return large_read(num_bytes, repeats, warmup)
 
 
 def share_of_large_read(gbps: float | None, large_read: dict[str, Any]) -> float | None:

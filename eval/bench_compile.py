@@ -17,12 +17,12 @@ processes time a first `generate` of the deepest model with JAX's persistent com
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import numpy as np
 
 from ._report import cpu_load, default_out, machine_info, markdown_table, write_outputs
+from ._timing import timed
 
 STAGES = ("trace", "lower", "compile")
 _EVENTS = {
@@ -101,14 +101,10 @@ def bench(layers: int, policies, prompt_len: int, new_tokens: int, log: ProgramL
         policy = kvjax.make_policy(name)
         log.take()
         log.recording = True
-        start = time.perf_counter()
-        kvjax.generate(model, prompt, new_tokens, policy)
-        first = time.perf_counter() - start
+        first = timed(lambda: kvjax.generate(model, prompt, new_tokens, policy))[1]
         log.recording = False
         records = log.take()
-        start = time.perf_counter()
-        kvjax.generate(model, prompt, new_tokens, policy)
-        second = time.perf_counter() - start
+        second = timed(lambda: kvjax.generate(model, prompt, new_tokens, policy))[1]
         rows.append({"layers": layers, "policy": name, **summarize(records), "first_generate_s": first,
                      "second_generate_s": second, "records": records, "load_after": cpu_load()})
         print(f"{layers:>3} layers {name:>8}: prefill {rows[-1]['prefill_s']:.2f} s, compress "

@@ -15,27 +15,16 @@ the FLOPs a step does as a share of a large float32 matmul, all measured in the 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import statistics
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ._report import cpu_load, default_out, machine_info, markdown_table, write_outputs
+from ._timing import DecodeRun, large_read, matmul_gflops
 
-COMPILE_EVENTS = ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_compile_duration")
-_compile_seconds = collections.Counter()
-
-
-def _on_event(name, duration, **kwargs):
-    if name.rsplit("/", 1)[-1] in COMPILE_EVENTS:
-        _compile_seconds["total"] += duration
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,73 +61,13 @@ def widths(layers_1b: int, quick: bool) -> dict[str, Width]:
     }
 
 
-def _median_seconds(run, repeats: int) -> float:
-    """Median wall time of `run()` over `repeats` calls, after one warm-up call."""
-    run()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def large_read_gbps(gib: float, repeats: int = 5) -> dict[str, float]:
-    """Read bandwidth of a `gib`-GiB float32 array, with jax (sum) and torch (sum), median of `repeats`;
-    `gbps` is the faster of the two, the bound a decode step is held to."""
-    import torch
-
-    n = int(gib * 2**30 // 4)
-    x = jnp.ones((n,), jnp.float32)
-    jax_gbps = n * 4 / _median_seconds(lambda: jax.block_until_ready(jnp.sum(x)), repeats) / 1e9
-    del x
-    y = torch.ones(n)
-    torch_gbps = n * 4 / _median_seconds(y.sum, repeats) / 1e9
-    return {"bytes": n * 4, "jax_sum_gbps": jax_gbps, "torch_sum_gbps": torch_gbps, "gbps": max(jax_gbps, torch_gbps)}
-
-
-def matmul_gflops(size: int = 2048, repeats: int = 5) -> dict[str, float]:
-    """FLOP rate of a large float32 matmul (`size` square, jax and torch, median of `repeats`); `gflops` is the
-    faster, the compute bound a batched decode step is held to."""
-    import torch
-
-    a = jnp.ones((size, size), jnp.float32)
-    matmul = jax.jit(jnp.matmul)
-    jax_rate = 2 * size**3 / _median_seconds(lambda: jax.block_until_ready(matmul(a, a)), repeats) / 1e9
-    b = torch.ones(size, size)
-    torch_rate = 2 * size**3 / _median_seconds(lambda: b @ b, repeats) / 1e9
-    return {"size": size, "jax_gflops": jax_rate, "torch_gflops": torch_rate, "gflops": max(jax_rate, torch_rate)}
-
-
 def bench_kvjax(model, prompt: np.ndarray, steps: int) -> dict:
-    import kvjax
+    return DecodeRun.prefilled(model, prompt, max_new_tokens=steps + 1).run(steps)
 
-    _compile_seconds.clear()
-    t = time.perf_counter()
-    state, logits = kvjax.prefill(model, prompt, max_new_tokens=steps + 1)
-    jax.block_until_ready(logits)
-    prefill_wall = time.perf_counter() - t
-    prefill_compile = _compile_seconds["total"]
-    token = jnp.argmax(logits, -1)
-    _compile_seconds.clear()
-    t = time.perf_counter()
-    logits, state = kvjax.decode_step(model, state, np.asarray(token))  # compiles the decode step
-    jax.block_until_ready(logits)
-    first_step = time.perf_counter() - t
-    decode_compile = _compile_seconds["total"]
-    times = []
-    for _ in range(steps):
-        token = np.asarray(jnp.argmax(logits, -1))
-        t = time.perf_counter()
-        logits, state = kvjax.decode_step(model, state, token)
-        jax.block_until_ready(logits)
-        times.append(time.perf_counter() - t)
-    step = statistics.median(times)
-    return {
-        "prefill_s": prefill_wall - prefill_compile, "prefill_compile_s": prefill_compile,
-        "decode_compile_s": decode_compile, "first_decode_step_s": first_step,
-        "decode_step_s": step, "decode_tokens_per_s": prompt.shape[0] / step,
-    }
+
+def read_bound(gib: float) -> dict:
+    """The large read a step is held to: jax's and torch's sum over `gib` GiB, the faster median."""
+    return large_read(int(gib * 2**30), repeats=5, torch=True)
 
 
 def bench_transformers(hf, prompt: np.ndarray, steps: int) -> dict:
@@ -292,7 +221,7 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"unknown widths {unknown}; choose from {sorted(available)}")
     load_before = cpu_load()
-    large_read = large_read_gbps(args.read_gib)
+    large_read = read_bound(args.read_gib)
     matmul = matmul_gflops(512 if args.quick else 2048)
     cells = [(1, c) for c in args.contexts] + ([(args.batch, c) for c in args.batch_contexts] if args.batch > 1 else [])
     results, configs, skipped = [], {}, {}

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import numpy as np
 
 from ._report import cpu_load, default_out, machine_info, markdown_table, write_outputs
+from ._timing import timed
 
 NO_EOS = -1  # a token id no model produces: every row runs the full length
 
@@ -37,10 +37,9 @@ def time_decode(model, prompts: np.ndarray, new_tokens: int, steps_per_dispatch:
     for r in range(repeats + 1):
         state, logits = kvjax.prefill(model, prompts, max_new_tokens=new_tokens)
         jax.block_until_ready(logits)
-        started = time.perf_counter()
-        out = continue_rows(model, state, logits, tails, new_tokens, kvjax.make_policy("full"), eos_token_id=NO_EOS,
-                            steps_per_dispatch=steps_per_dispatch)
-        elapsed = time.perf_counter() - started
+        out, elapsed, _ = timed(lambda: continue_rows(
+            model, state, logits, tails, new_tokens, kvjax.make_policy("full"), eos_token_id=NO_EOS,
+            steps_per_dispatch=steps_per_dispatch))
         assert (out >= 0).all(), "a row stopped early"
         if r:  # the first run compiles
             seconds.append(elapsed)

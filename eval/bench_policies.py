@@ -15,14 +15,11 @@ and gives int8's speed against float32 pages of the same policy.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ._report import default_out, machine_info, markdown_table, write_outputs
+from ._timing import DecodeRun, round_robin
 
 POLICIES = {
     "full": {},
@@ -62,59 +59,19 @@ def make_policy(name: str, budget: int):
     return kvjax.make_policy(base, token_budget=budget, **options)
 
 
-class PolicyRun:
-    """One (model, prompt, policy): prefilled (the prefill timed apart from its compile), then decoded one
-    step at a time by `step()`, each step's seconds kept."""
+def policy_run(model, prompt, policy) -> DecodeRun:
+    """One (model, prompt, policy): prefilled (its compile apart), with the prefilled cache's pages."""
+    from kvjax.cache.compaction import memory_report
 
-    def __init__(self, model, prompt, policy):
-        import kvjax
-        from kvjax.cache.compaction import memory_report
+    def describe(state):
+        report = memory_report(state)
+        return {"pages_in_use": report["pages_in_use"], "pages_full_cache": report["pages_full_cache"],
+                "kv_bytes_in_use": report["bytes_in_use"], "meta_itemsize": state.kmin.dtype.itemsize}
 
-        from .bench_decode import _compile_seconds
-
-        self.model, self.policy, self.times = model, policy, []
-        _compile_seconds.clear()
-        t = time.perf_counter()
-        self.state, self.logits = kvjax.prefill(model, prompt, policy=policy, max_new_tokens=_MAX_STEPS)
-        jax.block_until_ready(self.logits)
-        # the first prefill compiles its steps: that time (JAX's compile events) is reported apart
-        self.prefill_compile_s = _compile_seconds["total"]
-        self.prefill_s = time.perf_counter() - t - self.prefill_compile_s
-        self.report = memory_report(self.state)
-        self._decode()  # compile + warm-up
-
-    def _decode(self):
-        import kvjax
-
-        token = np.asarray(jnp.argmax(self.logits, -1))
-        t = time.perf_counter()
-        self.logits, self.state = kvjax.decode_step(self.model, self.state, token, policy=self.policy)
-        jax.block_until_ready(self.logits)
-        return time.perf_counter() - t
-
-    def step(self):
-        self.times.append(self._decode())
-
-    def result(self) -> dict:
-        step = statistics.median(self.times)
-        return {"prefill_s": self.prefill_s, "prefill_compile_s": self.prefill_compile_s, "decode_step_s": step,
-                "decode_tokens_per_s": 1 / step, "pages_in_use": self.report["pages_in_use"],
-                "pages_full_cache": self.report["pages_full_cache"], "kv_bytes_in_use": self.report["bytes_in_use"],
-                "meta_itemsize": self.state.kmin.dtype.itemsize}
+    return DecodeRun.prefilled(model, prompt, policy, max_new_tokens=_MAX_STEPS, describe=describe)
 
 
 _MAX_STEPS = 64  # room each prefill leaves for decoding (steps + warm-up)
-
-
-def bench_policies(runs: list, steps: int) -> list[dict]:
-    """Decode `steps` steps of every run round-robin (step r of every run, then step r + 1): a change of
-    load on a shared machine, or of the memory system's speed, hits every run alike, so ratios between
-    runs hold even where absolute figures drift (timed one run after another, the same config measured
-    19.5 and 40 tok/s in two runs minutes apart)."""
-    for _ in range(steps):
-        for run in runs:
-            run.step()
-    return [run.result() for run in runs]
 
 
 def kv_bytes_read(name: str, cfg, context: int, budget: int, page_size: int, kv_dtype: str = "float32",
@@ -226,9 +183,9 @@ def main(argv=None):
     for context in args.contexts:  # one context's runs held at once (their caches together)
         prompt = np.random.default_rng(context).integers(0, args.vocab, (1, context)).astype(np.int32)
         jobs = [(p, d) for p in args.policies for d in args.kv_dtypes]
-        runs = [PolicyRun(model.with_kv_dtype(kv_dtype), prompt, make_policy(name, args.budget))
+        runs = [policy_run(model.with_kv_dtype(kv_dtype), prompt, make_policy(name, args.budget))
                 for name, kv_dtype in tqdm(jobs, desc=f"{context} prefill: policy x kv dtype")]
-        for (name, kv_dtype), row in zip(jobs, bench_policies(runs, args.steps)):
+        for (name, kv_dtype), row in zip(jobs, round_robin(runs, args.steps)):
             row.update(policy=name, context=context, kv_dtype=kv_dtype,
                        kv_bytes_read_per_step=kv_bytes_read(name, cfg, context, args.budget, 16, kv_dtype,
                                                             row["meta_itemsize"]))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Sequence
@@ -52,25 +51,16 @@ def build_policy(spec: str, budget: int | None, dense_layers: int = DEFAULT_DENS
 def time_decodes(model, policies: dict, prompts: Sequence[Sequence[int]], steps: int = 16) -> dict:
     """Prefill `prompts` once (`kvjax.engine.shared_prefill`), derive each of `policies` ({key: Policy}), then time
     `steps` decode steps after one warm-up step: {key: {decode_ms_per_step (median), decode_tokens_per_s, batch}}."""
-    from kvjax.engine.generation import feed_tokens
     from kvjax.engine.shared_prefill import derive, shared_prefill
+
+    from ._timing import DecodeRun
 
     shared = shared_prefill(model, prompts, list(policies.values()), reserve_tokens=steps + 8)
     out = {}
     for key, policy in policies.items():
-        state, logits = derive(model, shared, policy)
-        token = np.asarray(jax.numpy.argmax(logits, -1))[:, None]
-        state, logits = feed_tokens(model, state, logits, token, policy)  # compile + warm-up
-        jax.block_until_ready(logits)
-        times = []
-        for _ in range(steps):
-            token = np.asarray(jax.numpy.argmax(logits, -1))[:, None]
-            started = time.perf_counter()
-            state, logits = feed_tokens(model, state, logits, token, policy)
-            jax.block_until_ready(logits)
-            times.append(time.perf_counter() - started)
-        ms = 1e3 * statistics.median(times)
-        out[key] = {"decode_ms_per_step": ms, "decode_tokens_per_s": len(prompts) * 1e3 / ms, "batch": len(prompts)}
+        result = DecodeRun(model, *derive(model, shared, policy), policy).run(steps)
+        out[key] = {"decode_ms_per_step": 1e3 * result["decode_step_s"],
+                    "decode_tokens_per_s": result["decode_tokens_per_s"], "batch": len(prompts)}
     return out
 
 
