@@ -5,7 +5,7 @@ decode_step, generate_text, CacheCapacityError.
 """
 
 from kvjax.models.config import ModelConfig
-from kvjax.engine.generation import decode_step, forward_logits, generate, generate_text, prefill
+from kvjax.engine.api import decode_step, forward_logits, generate, generate_text, prefill
 from kvjax.models.loading import Model, init_params, load_model
 from kvjax.models.convert import CheckpointError
 from kvjax.policies import Policy, make_policy, register_policy

@@ -1,45 +1,6 @@
 """Paged decode attention as a Pallas Mosaic GPU kernel (Hopper, TMA) that gathers pages in-kernel.
 
-NEVER RUN ON A GPU. What was checked, on a CPU-only machine (docs/kernels.md, "Mosaic GPU kernel"): the
-kernel lowers to a `mosaic_gpu` custom call for CUDA (`lowering_platforms=("cuda",)`, which runs the
-whole Pallas -> Mosaic GPU lowering including layout and TMA checks, but not ptxas), and it matches the
-reference under Mosaic GPU's interpret mode (`InterpretGPUParams`, which simulates GMEM/SMEM, TMA copies
-and barriers on CPU). Its speed is unknown.
-
-Same read-list contract as `decode_xla.attend_read_list_xla`: the read list (physical page and valid
-slot count of each entry; entry 0 the current, partial page, full pages next, entries with count 0 last)
-is built in XLA; row (b, hs) serves query heads hs*G .. hs*G+G-1.
-
-Kernel (`plgpu.kernel`, one warpgroup = 128 threads per CUDA block, grid (rows, splits) with rows =
-B * Hsel): each block copies its query rows (pre-scaled float32) and its part of the read list from
-GMEM to SMEM, then walks its blocks of pages. A block of pages is 64 slots (64 // page_size pages), each
-page fetched by its own TMA copy `k_pages.at[page] -> SMEM`, K and V on one barrier; two SMEM buffers
-(double-buffered: the next block is in flight while this one is computed) when they fit. The block is
-loaded into registers in the WGMMA register layout ([64, D], 64 rows over the 4 warps) and folded into
-an online softmax per query row on the CUDA cores: logits = row sums of K * q, weighted values =
-column sums of p * V (no wgmma: a decode row has G <= 8 queries, which would have to be padded to
-wgmma's 64 rows; decode is bound by memory, not by math). Query rows are unrolled in Python (G at a
-time), so each block of K and V is read from SMEM into registers once for all G queries. Long rows
-split along the sequence over the grid (flash-decoding); the unnormalised partials are merged in XLA.
-
-Layout constraints (all checked, raising ValueError):
-- page size 16, 32 or 64 (a 64-slot block holds whole pages: the WGMMA layout tiles rows by 64);
-  `pages_per_block` is therefore fixed at 64 // page_size.
-- head_dim a multiple of 32 (TMA rows of >= 16 bytes, copies of a multiple of 128 bytes, WGMMA layout
-  columns in multiples of 8); SMEM holds 2 (K, V) x buffers x 64 x head_dim x itemsize bytes: double
-  buffered up to 160 KiB, single buffered up to 200 KiB (H100: 227 KiB per block), else an error
-  (float32 head_dim 256 is single-buffered; float32 head_dim 512 does not fit).
-- float32 and bfloat16 pages; int8 pages (k_scale/v_scale) are not supported here.
-- read lists are padded to a multiple of 32 entries per split (the copy of an int32 list must move a
-  multiple of 128 bytes); the row statistics come back in [rows, 2, 32] (GMEM strides of 16 bytes).
-
-Interpret mode differences: GPU interpret mode has no implementation of `plgpu.load` or `layout_cast`
-(JAX 0.10.2), which only choose register layouts, so under interpretation the kernel loads with
-`ref[...]` and drops the layout casts; every copy, barrier and arithmetic operation is the same.
-On the GPU the register loads use `optimized=False` (plain, unswizzled SMEM rows; a bank-conflicting
-transfer that the optimised path refuses to plan): swizzled SMEM tiles would be the first thing to try
-once a GPU is at hand.
-"""
+Notes: docs/modules.md (`pallas_kernels/decode_mosaic_gpu.py`)."""
 
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
 """Paged decode attention in plain XLA, tuned for CPU.
 
-Pages are gathered a block at a time inside a loop and folded into an online softmax, so gathered pages
-never exist in memory all at once (materialising them costs a full extra write and read). What measured
-fastest on CPU (docs/kernels.md has the numbers):
-
-- (batch, selection row) flattened into one row axis, and no size-1 query axis when a row serves one
-  query head: with them XLA picked 4x slower layouts for the same math.
-- the current page, the only partial one, is attended before the loop with slot masks; inside the loop
-  every listed page is full, and an entry with nothing to read is pointed at a full page its row reads
-  anyway, with its logits masked. Then the gathered values need no NaN mask, which cost ~30%.
-- blocks of a few MiB of K per step (16 pages per row for 32 rows); the loop stops after the last block
-  that holds a page.
-- on large calls, the rows cut into groups, one loop per group and per core (`default_row_groups`): XLA:CPU
-  runs independent loops side by side: two loops of 4 MiB blocks read Llama-2's 8K-32K cache at 59-64% of
-  a large read where one loop read 50-55% (one loop with 8 MiB blocks was slower still).
-
-- each block's logits and weighted values as matrix products (einsum) over the block flattened to
-  [rows, pages * page_size, D]: a matrix-vector product per row when a row serves one query head, a
-  batched matmul over the group when it serves several. Left unflattened ([rows, pages, page_size, D]),
-  the same einsum ran 2-3x slower, and broadcast-multiply + reduce ("mulsum") ~20% slower.
-
-`FORMULATIONS` lists the block computations that were compared; "auto" picks as above.
-"""
+Notes: docs/modules.md (`pallas_kernels/decode_xla.py`)."""
 
 from __future__ import annotations
 

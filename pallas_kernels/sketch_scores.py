@@ -1,19 +1,6 @@
 """Page scores from a per-slot key sketch: the best approximate q.k over a page's slots.
 
-A selector beyond Quest's bound keeps one sketch row per slot (`codes [N, ps, R]`) and maps the decode
-query into the sketch's space (`q [B, Hq, R']`); the score of logical page p for query head h is
-
-    max over the slots s of page p of  q_h . decode(codes[page, s])
-
-so, unlike Quest's per-dimension bound, each slot is scored as a whole and only then maxed. With the exact
-keys as codes (`codes = k_pages`, `q` the query) this is the exact page maximum of q.k: the oracle. Codes:
-
-- "float": float32 or bfloat16 rows (bfloat16 may be held as uint16 bit patterns, `page_values`), R' = R;
-- "int4": signed 4-bit codes packed two to a byte in `int8[N, ps, R]`, R' = 2R: byte j holds channel j in
-  its low nibble and channel j + R in its high nibble, each in [-8, 7].
-
-Pages past the used ones and the current page (always read) score -inf, as in `quest_page_scores`.
-"""
+Notes: docs/modules.md (`pallas_kernels/sketch_scores.py`)."""
 
 from __future__ import annotations
 

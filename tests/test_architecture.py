@@ -22,9 +22,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("kvjax.util", "kvjax.tasks")),  # pure helpers and task generators
     ("models", ("kvjax.models",)),  # config, rope, checkpoints, the transformer with its `attend` seam
     ("cache", ("kvjax.cache",)),  # the paged state and attention over it; knows no method
-    ("policies", ("kvjax.locret", "kvjax.policies")),
+    ("policies", ("kvjax.policies",)),  # Locret's heads included: the policy runs them
     ("engine", ("kvjax.engine",)),  # the one step and what drives it
-    ("subsystems", ("kvjax.serving", "kvjax.jenga", "kvjax.rag", "kvjax.distributed")),  # siblings apart
+    ("subsystems", ("kvjax.serving", "kvjax.jenga", "kvjax.rag", "kvjax.distributed", "kvjax.locret")),  # apart
     ("api", ("kvjax",)),  # the package's public names (kvjax/__init__.py)
     ("programs", ("kvjax.eval", "kvjax.train")),  # use the library's public modules
     ("command line", ("kvjax.cli",)),  # runs the programs by module name (importlib), never by import

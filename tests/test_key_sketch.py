@@ -145,7 +145,7 @@ def test_sketch_selectors_score_as_defined(name, options, reference):
     """Prefill a tiny model with the selector, then score every page of a layer from the state's sketch and
     compare with the numpy definition applied to the same layer's keys."""
     from kvjax.cache.state import gather_layer
-    from kvjax.engine.generation import prefill
+    from kvjax.engine.api import prefill
 
     model = tiny_model()
     policy = kvjax.make_policy(name, token_budget=32, dense_layers=0, **options)

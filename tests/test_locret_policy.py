@@ -9,7 +9,7 @@ from conftest import random_tokens
 from kvjax.cache.compaction import kept_positions, memory_report
 from kvjax.util.compile_count import count_compiles
 from kvjax.locret import HeadsConfig, export_safetensors, init_heads, save_heads
-from kvjax.locret import heads as heads_module
+from kvjax.policies import locret_heads as heads_module
 from test_locret_training import dense_capture
 from test_state import check_invariants
 

@@ -99,7 +99,7 @@ def set_previous_token_head(params, cfg, recipe: Recipe, const_dim: int = 0):
 
 def loss_and_metrics(params, tokens, mask, cfg):
     """Cross-entropy on the masked target tokens. tokens, mask: `[B, T]`; mask marks tokens to predict."""
-    from kvjax.engine.generation import dense_forward
+    from kvjax.engine.api import dense_forward
 
     logits = dense_forward(params, tokens, cfg)
     logits, targets, weight = logits[:, :-1], tokens[:, 1:], mask[:, 1:].astype(jnp.float32)

@@ -1,27 +1,6 @@
 """Several decode steps per dispatch: sampling, EOS and the append step inside one jitted `while_loop`.
 
-The host loop of `kvjax.engine.generation.continue_rows` returns to Python after every token to copy the sampled
-tokens out and test EOS. On a GPU or TPU that round trip costs more than a small model's step. Here one
-call runs up to `steps` (static) decode steps on the device:
-
-    for each step, while some row is live (not done and below its own step limit):
-        append the live rows' pending tokens (the step of `kvjax.engine.step`, with its policy), giving new logits
-        split the key and sample (`kvjax.engine.sampling.sample_tokens`, the same split as the host loop)
-        record each live row's token and log-probability (-1 and NaN for the others)
-        rows that sampled an EOS token are done
-
-Rows that are not live append nothing, so a row that finished (or an empty row of the serving engine's
-batch, `kvjax.serving.batch_engine`) takes no pages and changes no other row. The key is one PRNG key for
-the batch (`generate`: one seed), or one key per row (`[B, 2]`, the engine: a seed per request); with per-row
-keys each row samples exactly as it would alone.
-
-The first token of a generation is sampled from the prefill's logits before any dispatch, so every
-dispatch starts by appending. Results equal the host loop's token for token: same key sequence, same
-steps, the same -1 fill; and no step runs after the last token (the host loop appends nothing after it
-either).
-
-Shapes: B rows, V vocabulary, K = `steps`.
-"""
+Notes: docs/modules.md (`kvjax/engine/decode_loop.py`)."""
 
 from __future__ import annotations
 

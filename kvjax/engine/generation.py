@@ -1,4 +1,5 @@
-"""The public generation API and its host loops: chunked prefill, decode, generate, and the dense forward.
+"""The host loops behind the public API (`kvjax.engine.api`): chunked prefill of rows, the on-device decode
+of rows, feeding given tokens, and the input checks. Subsystems (serving, RAG, distributed) build on them.
 
 The loops drive the jitted steps of `kvjax.engine.step` (one step appends a chunk `[B, C]` to every layer and
 attends; C = 1 decodes) through a `StepBackend`: one device by default, a mesh from `kvjax.distributed`.
@@ -6,7 +7,6 @@ attends; C = 1 decodes) through a `StepBackend`: one device by default, a mesh f
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Generator, NamedTuple, Sequence
 
 import jax
@@ -14,16 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from kvjax.cache.attention import dense_causal_attention
 from kvjax.models.config import ModelConfig
 from kvjax.engine.decode_loop import decode_steps
 from kvjax.models.loading import Model
-from kvjax.models import CausalLM
 from kvjax.policies import FullPolicy, Policy
-from kvjax.models.rope import rope_frequencies, uses_long_factors
+from kvjax.models.rope import uses_long_factors
 from kvjax.cache.rows import insert_row
 from kvjax.engine.sampling import sample_first_tokens, validate_sampling
-from kvjax.cache.state import CacheCapacityError, KVState, overflow_error, pages_for
+from kvjax.cache.state import CacheCapacityError, KVState, pages_for
 from kvjax.engine.step import LOCAL_BACKEND, StepBackend, compressed_layer, new_window
 
 DEFAULT_CHUNK_SIZE = 512
@@ -37,28 +35,6 @@ def bucketed(tokens: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------ dense
-
-
-def dense_forward(params, tokens, cfg: ModelConfig, dtype=jnp.float32, long_rope: bool = False) -> jax.Array:
-    """Dense causal forward, no cache: `tokens int32[B, T]` at positions 0..T-1 -> logits `f32[B, T, V]`,
-    each layer within its sliding window (`ModelConfig.windows`). Differentiable and not jitted (the
-    default model's training calls it inside its own jitted step)."""
-    B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    windows = jnp.asarray(cfg.windows, jnp.int32)  # [L]
-
-    def attend(layer, inputs, carry):
-        return dense_causal_attention(inputs.q, inputs.k, inputs.v, window=windows[layer]), carry
-
-    logits, _ = CausalLM(cfg, dtype).apply(
-        {"params": params}, tokens, positions, rope_frequencies(cfg, long_rope), attend, None, method=CausalLM.hidden_and_logits
-    )
-    return logits
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "long_rope"))
-def _dense_logits(params, tokens, *, cfg: ModelConfig, dtype, long_rope: bool):
-    return dense_forward(params, tokens, cfg, dtype, long_rope)
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -123,16 +99,6 @@ def policy_or_full(policy: Policy | None) -> Policy:
 
 
 # --------------------------------------------------------------------------------------------- API
-
-
-def forward_logits(model: Model, tokens) -> jax.Array:
-    """Dense causal forward with no cache: `tokens int[B, T]` -> logits `f32[B, T, V]`."""
-    rows = as_token_lists(tokens, model.cfg.vocab_size, "tokens")
-    if len({len(r) for r in rows}) != 1:
-        raise ValueError("forward_logits takes equal-length rows; pad them or call it once per row")
-    array = jnp.asarray(np.stack(rows))
-    long_rope = uses_long_factors(model.cfg, array.shape[1])
-    return _dense_logits(model.params, array, cfg=model.cfg, dtype=model.dtype, long_rope=long_rope)
 
 
 class PrefillCarry(NamedTuple):
@@ -326,116 +292,6 @@ def compress_prefilled(
     )
 
 
-def prefill(
-    model: Model,
-    prompt_ids,
-    policy: Policy | None = None,
-    *,
-    page_size: int = 16,
-    capacity: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    max_new_tokens: int = 256,
-    allow_longer_context: bool = False,
-    progress: bool = False,
-) -> tuple[KVState, jax.Array]:
-    """Chunked prefill of `prompt_ids` (int `[B, T]` or ragged token lists) into a new paged state.
-
-    Returns `(state, logits f32[B, V])`: logits at each prompt's last token. `capacity` (tokens per layer and
-    head) defaults to the longest prompt plus `max_new_tokens`, the room left for `decode_step`; an explicit
-    capacity need only hold the prompts (decode raises `CacheCapacityError` when it fills up). A prompt past
-    the model's context is refused unless `allow_longer_context`; `progress` shows a bar over the chunks.
-    """
-    policy = policy_or_full(policy)
-    rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
-    longest = max(len(r) for r in rows)
-    check_context(model.cfg, longest, 0, allow_longer_context)
-    if capacity is None:
-        # LongRoPE decides from the declared length, not from the bucketed capacity
-        declared, reserve, capacity = longest + max_new_tokens, max_new_tokens, bucketed(longest + max_new_tokens)
-    else:
-        declared, reserve = capacity, 0
-    return prefill_rows(model, rows, policy, page_size, capacity, chunk_size, declared, reserve, progress=progress)
-
-
-def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None = None) -> tuple[jax.Array, KVState]:
-    """Append one token per sequence (`token_ids int[B]`) and return `(logits f32[B, V], state)`.
-
-    The input state is donated (its buffers are reused); use the returned one. Raises `CacheCapacityError`
-    when the cache is full. Inside a user's `jax.jit`, `lax.scan` or `lax.while_loop` (traced tokens or
-    state) the host-side checks are skipped: the step is pure, and a full cache is left in the state's
-    capacity flag (`state.overflow[0] != 0`; `kvjax.cache.state.overflow_error(state)` names it) for the caller
-    to check after the loop. Tokens must then be in the vocabulary.
-    """
-    policy = policy_or_full(policy)
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, token_ids))):
-        return _decode(model, state, jnp.asarray(token_ids, jnp.int32).reshape(-1), policy)
-    tokens = np.asarray(token_ids, np.int32).reshape(-1)
-    B = state.next_position.shape[0]
-    if tokens.shape[0] != B:
-        raise ValueError(f"token_ids has {tokens.shape[0]} entries but the state holds {B} sequences")
-    as_token_lists(tokens[:, None], model.cfg.vocab_size, "token_ids")
-    logits, state = _decode(model, state, jnp.asarray(tokens), policy)
-    error = overflow_error(state)
-    if error is not None:
-        raise error
-    return logits, state
-
-
-def _decode(
-    model: Model, state: KVState, tokens: jax.Array, policy: Policy, backend: StepBackend | None = None
-) -> tuple[jax.Array, KVState]:
-    backend = backend or LOCAL_BACKEND
-    B = tokens.shape[0]
-    state, _, logits = backend.append_step(
-        model.decode_params, state, None, backend.put(tokens[:, None]), backend.put(jnp.ones((B,), jnp.int32)),
-        backend.put(jnp.zeros((B, model.cfg.vocab_size), jnp.float32)), None, cfg=model.cfg,
-        dtype=model.dtype, policy=policy,
-    )
-    return logits, state
-
-
-def generate(
-    model: Model,
-    prompt_ids,
-    max_new_tokens: int = 8,
-    policy: Policy | None = None,
-    *,
-    decode_last: int = 0,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    page_size: int = 16,
-    capacity: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    eos_token_id: int | Sequence[int] | None = None,
-    return_logprobs: bool = False,
-    allow_longer_context: bool = False,
-    progress: bool = False,
-    steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
-    on_tokens: Callable[[int, np.ndarray], bool | None] | None = None,
-):
-    """Generate up to `max_new_tokens` per prompt. Returns `int32[B, max_new_tokens]`, -1 after a sequence's
-    EOS (the EOS token itself is kept), and with `return_logprobs=True` also `f32[B, max_new_tokens]` (the
-    chosen tokens' log-probabilities under the model, NaN where the token is -1).
-
-    `decode_last=N` prefills all but the last N prompt tokens and feeds those N one at a time as decode
-    steps (Quest's protocol: the question arrives after compression). `eos_token_id` defaults to the model's.
-    A request past the model's context (prompt plus `max_new_tokens`) is refused before any work unless
-    `allow_longer_context`; `progress` shows a bar over the prefill chunks. `steps_per_dispatch` decode
-    steps run per call to the device (`kvjax.engine.decode_loop`; results do not depend on it). `on_tokens` streams:
-    see `continue_rows`.
-    """
-    rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
-    check_context(model.cfg, max(len(r) for r in rows), max_new_tokens, allow_longer_context)
-    return generate_rows(
-        model, rows, max_new_tokens, policy, decode_last=decode_last, temperature=temperature, top_k=top_k,
-        top_p=top_p, seed=seed, page_size=page_size, capacity=capacity, chunk_size=chunk_size,
-        eos_token_id=eos_token_id, return_logprobs=return_logprobs, progress=progress,
-        steps_per_dispatch=steps_per_dispatch, on_tokens=on_tokens,
-    )
-
-
 def generate_rows(
     model: Model, rows: list[np.ndarray], max_new_tokens: int, policy: Policy | None, *, decode_last: int,
     temperature: float, top_k: int, top_p: float, seed: int, page_size: int, capacity: int | None, chunk_size: int,
@@ -556,13 +412,3 @@ def raise_capacity(needed_tokens: int, capacity: int, page_size: int):
     )
 
 
-def generate_text(model: Model, prompt: str | Sequence[str], max_new_tokens: int = 32, policy: Policy | None = None, **kwargs) -> Any:
-    """Tokenize with `model.tokenizer`, generate, and decode. Returns a string (or a list for a list)."""
-    if model.tokenizer is None:
-        raise ValueError("this model has no tokenizer (no tokenizer.json beside its weights); use generate()")
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    ids = [model.tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
-    out = generate(model, ids, max_new_tokens, policy, **kwargs)
-    tokens = out[0] if isinstance(out, tuple) else out
-    texts = [model.tokenizer.decode([int(t) for t in row if t >= 0], skip_special_tokens=True) for row in tokens]
-    return texts[0] if isinstance(prompt, str) else texts

@@ -1,22 +1,7 @@
 """One full prefill, many policies: derive every policy that compresses after prefill (or only selects
 pages) from one uncompressed state, instead of prefilling the same prompts once per policy and budget.
 
-The state is immutable data, so each derived policy compresses a copy of it. What a compressor reads
-from the prefill is gathered during the one prefill: the last `window_size` queries of every layer (the
-largest window any of the policies reads; each takes its own last rows, which are exactly the rows its
-own prefill would have kept), and every query's attention summed into `slot_score` when one of them
-accumulates attention (H2O); a policy that does not accumulate gets `slot_score` zeroed, as its own
-prefill leaves it. A policy that compresses during prefill (a chunk schedule: Locret) cannot be derived
-and must be prefilled on its own.
-
-    shared = shared_prefill(model, contexts, policies, reserve_tokens=64)
-    for policy in policies:
-        state, logits = derive(model, shared, policy)
-        tokens = continue_rows(model, state, logits, questions, 16, policy)
-
-`derive(model, shared, policy)` equals `prefill(model, contexts, policy, ...)` with the same capacity
-(tests/test_shared_prefill.py checks kept positions and generated tokens for every registered policy).
-"""
+Notes: docs/modules.md (`kvjax/engine/shared_prefill.py`)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
 """The jitted steps over the paged KV state: append a chunk to every layer and attend, and compress.
 
-`append_step` appends a chunk of tokens `[B, C]` (C = chunk size for prefill, 1 for decode) to every layer's
-pages and attends over them; `compress_step` applies a policy's keep sets after prefill (or after each
-prefill chunk). Shapes are static (chunk size, capacity, page size); lengths are arrays, so decoding never
-recompiles. The state is donated to each step.
-
-Both steps scan over layers (`kvjax.models.Segment`), so they compile one layer body per *segment* whatever
-the depth. A segment is a run of layers alike in everything the step decides at trace time
-(`layer_segments`: whether the policy compresses the layer, whether it selects pages there, how many pages
-the layer reads); inside it the layer index is traced and the policy's per-layer numbers (PyramidKV's
-budgets, Locret's heads) are data indexed by it.
-
-The host loops (`kvjax.engine.generation`) drive these steps through a `StepBackend`: `LOCAL_BACKEND` here for one
-device, `kvjax.distributed` for a mesh. A mesh runs these same steps with another `placement`: their page
-work per shard under `shard_map`, the policy's decisions on the whole view (`OneDevice`).
-"""
+Notes: docs/modules.md (`kvjax/engine/step.py`)."""
 
 from __future__ import annotations
 
@@ -42,7 +28,7 @@ from kvjax.cache.state import (
 )
 
 # attend for one segment of the step: (layer, AttentionInputs, state) -> (output [B, C, Hq, D], state)
-LayerAttend = Callable[[Any, Any, KVState], tuple[jax.Array, KVState]]
+LayerAttend = Callable[[Any, Any, KVState, Any], tuple[jax.Array, KVState, Any]]  # (layer, inputs, state, observed)
 
 
 # ------------------------------------------------------------------------------------------- per layer
@@ -216,36 +202,37 @@ def new_window(cfg: ModelConfig, batch: int, size: int, dtype):
 
 def forward_chunk(
     params, cfg: ModelConfig, dtype, policy: Policy, tokens, positions, num_new, last_logits, state: KVState, window,
-    attend_for: Callable[[int, int], LayerAttend],
+    attend_for: Callable[[int, int], LayerAttend], observed=None,
 ):
     """The model over one chunk `tokens int32[B, C]` at `positions int32[B, C]`.
 
     `attend_for(start, stop)` gives the attend of layers start .. stop - 1 (one of `layer_segments`); it
     sees the state with that segment's read bound (`KVState.for_layers`) and a traced layer index. The
-    window carry (`new_window`) takes each layer's last queries. Returns `(state, window, logits f32[B, V])`:
-    logits at each row's last real token, `last_logits` where a row has none."""
+    window carry (`new_window`) takes each layer's last queries; `observed` is a caller's carry each layer's
+    attend may update. Returns `(state, window, logits f32[B, V], observed)`: logits at each row's last real
+    token, `last_logits` where a row has none."""
     B, C = tokens.shape
     segments = []
     for start, stop in layer_segments(policy, state, cfg.num_layers, cfg.windows):
         layer_attend = attend_for(start, stop)
 
         def attend(layer, inputs, carry, layer_attend=layer_attend, start=start, stop=stop):
-            state, window_q = carry
-            out, new = layer_attend(layer, inputs, state.for_layers(start, stop))
+            state, window_q, observed = carry
+            out, new, observed = layer_attend(layer, inputs, state.for_layers(start, stop), observed)
             if window_q is not None:
                 window_q = window_q.at[layer].set(keep_last(window_q[layer], inputs.q, num_new))
-            return out, (new.replace(read_pages=state.read_pages), window_q)
+            return out, (new.replace(read_pages=state.read_pages), window_q, observed)
 
         segments.append(Segment(start, stop, attend))
     module = CausalLM(cfg, dtype)
     rope = rope_frequencies(cfg, state.long_rope)
-    carry = (state, None if window is None else window["q"])
-    hidden, (state, window_q) = module.apply({"params": params}, tokens, positions, rope, segments, carry)
+    carry = (state, None if window is None else window["q"], observed)
+    hidden, (state, window_q, observed) = module.apply({"params": params}, tokens, positions, rope, segments, carry)
     if window is not None:
         window = {"q": window_q, "pos": keep_last(window["pos"], positions, num_new)}
     last = jnp.clip(num_new - 1, 0, C - 1)
     logits = module.apply({"params": params}, hidden[jnp.arange(B), last], method=CausalLM.logits)
-    return state, window, jnp.where((num_new > 0)[:, None], logits, last_logits)
+    return state, window, jnp.where((num_new > 0)[:, None], logits, last_logits), observed
 
 
 def scan_layers(body: Callable[[Any, Any], Any], carry, start: int, stop: int):
@@ -316,11 +303,11 @@ def _evict(state: KVState, layer, victim, keys, *, policy: Policy) -> KVState:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "dtype", "policy", "placement"), donate_argnames=("state", "window")
+    jax.jit, static_argnames=("cfg", "dtype", "policy", "placement", "observe"), donate_argnames=("state", "window")
 )
 def append_step(
     params, state: KVState, window, tokens, num_new, last_logits, policy_params=None, *, cfg: ModelConfig, dtype,
-    policy: Policy, placement: OneDevice = ONE_DEVICE,
+    policy: Policy, placement: OneDevice = ONE_DEVICE, observe: Callable | None = None, observed=None,
 ):
     """Append `tokens int32[B, C]` (the first `num_new int32[B]` of each row are real) to every layer and
     attend. `params` is the model's parameter tree, `window` the prefill carry (`new_window`, or None),
@@ -330,6 +317,11 @@ def append_step(
 
     C = 1 is a decode step: the policy's page selection and decode-time eviction apply. Returns the state,
     the window carry and logits `f32[B, V]` at each row's last real token.
+
+    `observe(layer, inputs, state, observed) -> observed` (one device) sees each layer's `AttentionInputs`
+    and its state after the append, and updates the caller's carry `observed` (arrays with a leading `[L]`
+    axis: the layers run in a scan); the step then returns `observed` as a fourth value. Locret's labels
+    record their features and score the answer this way, through the same step as generation.
     """
     B, C = tokens.shape
     decoding = C == 1
@@ -359,7 +351,13 @@ def append_step(
             )
             return st, out, {name: getattr(view, name) for name in fields}
 
-        def attend(layer, inputs, state):
+        def attend(layer, inputs, state, observed):
+            out, state = attend_layer(layer, inputs, state)
+            if observe is not None:
+                observed = observe(layer, inputs, state, observed)
+            return out, state, observed
+
+        def attend_layer(layer, inputs, state):
             args = (state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, seen)
             if sliding:
                 state, out = on_shards(in_window, ("state", "") + chunk, ("state", "bchd"))(*args)
@@ -379,10 +377,11 @@ def append_step(
 
         return attend
 
-    state, window, logits = forward_chunk(
-        params, cfg, dtype, policy, tokens, positions, num_new, last_logits, state, window, attend_for
+    state, window, logits, observed = forward_chunk(
+        params, cfg, dtype, policy, tokens, positions, num_new, last_logits, state, window, attend_for, observed
     )
-    return placement.with_next_position(state, seen), window, logits
+    state = placement.with_next_position(state, seen)
+    return (state, window, logits) if observe is None else (state, window, logits, observed)
 
 
 def compressed_layer(policy: Policy, layer: int, windows: tuple = ()) -> bool:

@@ -1,21 +1,6 @@
 """The Jenga allocator: request-level API over the two-level pool and the prefix cache.
 
-Lifecycle of a request, as an engine drives it (see docs/jenga.md):
-
-    hit = alloc.get_computed_prefix(prompt)                  # reusable prefix, per-group pages
-    chunk = prompt[hit.num_tokens : hit.num_tokens + C]
-    if alloc.can_allocate(rid, len(chunk), hit):              # exact: a dry run of allocate
-        a = alloc.allocate(rid, chunk, prefix_hit=hit)        # reserve slots; None if the pool is full
-        pool = apply_page_copies(pool, layout, a.copies)      # budgeted-snapshot hits only
-        ... run the model on the chunk (block tables: alloc.block_tables(rid)) ...
-        c = alloc.commit(rid)                                 # tokens computed: cache full blocks,
-        pool = apply_page_copies(pool, layout, c.copies)      #   free out-of-window pages, snapshot
-    ... allocate/commit per decode step with the sampled token ...
-    alloc.free(rid)                                           # pages become cached (evictable) or free
-
-Everything here is host-side Python; a device pool is only ever addressed through page ids and their
-byte offsets (kvjax.jenga.layout; typed views of a device pool: kvjax.jenga.views).
-"""
+Notes: docs/modules.md (`kvjax/jenga/allocator.py`)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""Locret's training targets, computed through kvjax's own forward (the paged state, chunked prefill).
+"""Locret's training targets, computed through kvjax's own prefill step (the paged state, chunked prefill).
 
-For one batch of (prefix, answer) pairs: the frozen model prefills the prefix chunk by chunk into a full
-paged cache, then appends the answer tokens as one more chunk. Each prefix token's features (pre-RoPE q,
-k and v, what a retaining head reads) are taken as the prefix passes; the label of prefix token j for kv
-head h is the largest pre-softmax attention logit `q . k_j / sqrt(D)` (post-RoPE, as attention sees it)
-over every answer token's query and over h's GQA group. Prefix keys only: the answer's own keys get none.
-
-Memory is linear in the sequence: the prefix is attended chunk by chunk (`blocked_paged_attention`, one
-block of pages at a time), and the labels take `ANSWER_BLOCK` answer queries at a time against the
-layer's keys (`answer_logit_max`), so no `[heads, tokens, tokens]` tensor exists at any point. What grows
-with the prefix `Tp` is the cache (`2 * L * Tp * H * D`) and the recorded features and labels
-(`L * Tp * ((Hq + 2H) * D + H)`). `python -m eval.bench_locret_labels` measures the peak.
-
-Everything is a pure function of arrays (jit it; the model's parameters are not differentiated).
-"""
+Notes: docs/modules.md (`kvjax/locret/labels.py`)."""
 
 from __future__ import annotations
 
@@ -22,12 +9,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache.attention import blocked_paged_attention
+from kvjax.cache.state import gather_layer, init_state
+from kvjax.engine.step import append_step
 from kvjax.models.config import ModelConfig
-from kvjax.models import CausalLM
-from kvjax.models.rope import rope_frequencies, uses_long_factors
-from kvjax.cache.state import allocate_for_append, append_to_layer, gather_layer, init_state
+from kvjax.models.rope import uses_long_factors
+from kvjax.policies import FullPolicy
 
+FULL = FullPolicy()
 _MASKED = -1e30
 ANSWER_BLOCK = 64  # answer queries scored at once in the label step
 
@@ -52,24 +40,15 @@ class Targets(NamedTuple):
     valid: jax.Array  # bool[B, Tp]: a real prefix token
 
 
-def _chunk(params, state, tokens, num_new, out, *, cfg: ModelConfig, dtype, rope, on_layer):
-    """Append `tokens int32[B, C]` (the first num_new[b] real) to every layer and attend, as kvjax's
-    prefill step does; `out = on_layer(layer, inputs, state, out)` sees each layer after its append and
-    writes what it records into `out` (arrays with a leading `[L]` axis: the layers run in a scan, so the
-    carry is how a layer hands anything out). Returns `(state, out)`."""
-    C = tokens.shape[1]
-    positions = state.next_position[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
-    state, ok = allocate_for_append(state, num_new, C)
-    num_new = jnp.where(ok, num_new, 0)
-
-    def attend(layer, inputs, carry):
-        state, out = carry
-        state = append_to_layer(state, layer, inputs.k, inputs.v, inputs.positions, num_new)
-        out = on_layer(layer, inputs, state, out)
-        return blocked_paged_attention(inputs.q, inputs.positions, state, layer), (state, out)
-
-    _, (state, out) = CausalLM(cfg, dtype).apply({"params": params}, tokens, positions, rope, attend, (state, out))
-    return state.replace(next_position=state.next_position + num_new), out
+def _chunk(params, state, tokens, num_new, out, *, cfg: ModelConfig, dtype, on_layer):
+    """Append `tokens int32[B, C]` (the first num_new[b] real) to every layer and attend, with the step every
+    prefill runs (`kvjax.engine.step.append_step`, the full cache); `out = on_layer(layer, inputs, state,
+    out)` sees each layer after its append and writes what it records into `out` (arrays with a leading
+    `[L]` axis). Returns `(state, out)`."""
+    logits = jnp.zeros((tokens.shape[0], cfg.vocab_size), jnp.float32)
+    state, _, _, out = append_step(params, state, None, tokens, num_new, logits, cfg=cfg, dtype=dtype,
+                                   policy=FULL, observe=on_layer, observed=out)
+    return state, out
 
 
 def answer_logit_max(
@@ -113,7 +92,6 @@ def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chun
     if Tp % C:
         raise ValueError(f"prefix width {Tp} must be a multiple of chunk_size {C}")
     long_rope = uses_long_factors(cfg, Tp + A)
-    rope = rope_frequencies(cfg, long_rope)
     state = init_state(cfg, B, Tp + A, page_size, dtype=dtype, long_rope=long_rope)
     L, Hq, H, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
@@ -125,7 +103,7 @@ def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chun
         shapes = ((L, B, C, Hq, D), (L, B, C, H, D), (L, B, C, H, D)) if features else ()
         feats = tuple(jnp.zeros(shape, dtype) for shape in shapes)
         tokens = jax.lax.dynamic_slice_in_dim(batch.prefix, i * C, C, axis=1)
-        return _chunk(model_params, state, tokens, num_new, feats, cfg=cfg, dtype=dtype, rope=rope, on_layer=record)
+        return _chunk(model_params, state, tokens, num_new, feats, cfg=cfg, dtype=dtype, on_layer=record)
 
     # a scan over the chunks: one chunk's program, compiled once whatever the length
     state, chunks = jax.lax.scan(prefix_chunk, state, jnp.arange(Tp // C))  # each [Tp // C, L, B, C, ...]
@@ -140,7 +118,7 @@ def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chun
 
     _, labels = _chunk(
         model_params, state, batch.answer, batch.answer_len.astype(jnp.int32), jnp.zeros((L, B, Tp, H), jnp.float32),
-        cfg=cfg, dtype=dtype, rope=rope, on_layer=label,
+        cfg=cfg, dtype=dtype, on_layer=label,
     )
     stack = lambda x: jnp.moveaxis(x, 0, 2).reshape(L, B, Tp, *x.shape[4:])  # [L, B, Tp, ...]
     valid = jnp.arange(Tp)[None, :] < batch.prefix_len[:, None]

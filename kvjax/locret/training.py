@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from kvjax.models.config import ModelConfig
-from kvjax.locret.heads import retaining_scores
+from kvjax.policies.locret_heads import retaining_scores
 from kvjax.locret.labels import Batch, Targets, compute_targets
 
 DEFAULT_ALPHA = 0.0025

@@ -1,20 +1,6 @@
 """A Flax Linen decoder (Llama / Mistral / Qwen2 / Phi-3) whose attention is supplied by the caller.
 
-The module owns projections, norms, RoPE and the MLP. What happens between "q, k, v are ready" and "the
-attention output is ready" (dense causal attention, or writing to the paged KV state and reading it back,
-with a policy) is an `attend` function passed in, so one forward serves the dense path, chunked prefill,
-decode and label generation. The KV state threads through as an ordinary argument and return value.
-
-The decoder layers' parameters are stacked: one `layers` subtree whose leaves have a leading `[L, ...]` axis
-(`layers/self_attn/q_proj/kernel` is `[L, E, Hq * D]`), and the forward runs `jax.lax.scan` over them, so a
-jitted step compiles one layer body whatever the depth. A decode step instead takes the layers apart once,
-outside the token loop (`unstack_layers`: `layers` a tuple of per-layer trees), and picks each layer's
-weights with a `lax.switch`, since a scan slices (on XLA:CPU, copies) every weight out of the stack per token. Per-layer differences a caller needs at trace time
-(a policy's dense layers, a read bound) are expressed as *segments*: runs of consecutive layers, each
-scanned with its own `attend` (`Segment`, `segments_by`). Inside a segment `attend` gets the layer index as
-a traced int32 scalar. Names below `layers` mirror Hugging Face's, so checkpoint conversion is a name map
-(`kvjax/models/convert.py`); Dense kernels are the transposes of HF's `weight`.
-"""
+Notes: docs/modules.md (`kvjax/models/transformer.py`)."""
 
 from __future__ import annotations
 

@@ -2,21 +2,7 @@
 `AdaKVPress(press)` wraps any press: `AdaKV(scorer=H2O(...))` is Ada-H2O, `AdaKV(scorer=SnapKV(...))` is
 Ada-SnapKV (registered as `ada_snapkv`), `AdaKV(scorer=PyramidKV(...))` Ada-Pyramid (`ada_pyramid`).
 
-The scorer says how slots score (`scores`, +inf for its `always_kept` slots: SnapKV's window, H2O's
-recent tokens, TOVA's newest) and what one head keeps on average (`layer_budgets`: `token_budget` in
-every layer, or PyramidKV's pyramid). Ada-KV only decides how a layer's total is split across its heads:
-
-- paper form (alpha = 0.5): with w the scorer's always-kept slots and B' = budget - w, take the layer's
-  top H * B' scores outside those slots over all heads; head h's share is cnt_h and its budget
-  round(cnt_h * (1 - alpha) + alpha * B') + w.
-- kvpress form (alpha = 0.2 there): each head's top max(1, int(alpha * budget)) scores are protected,
-  then the layer keeps its top H * budget scores, protected and always-kept slots first.
-
-Fields (defaults): `scorer` the wrapped `ScoredEviction` (SnapKV()); `alpha` 0.5 (the paper's; kvpress's
-0.2 with `form="kvpress"`); `form` "paper". `make_policy("ada", scorer="h2o", token_budget=64)` builds the
-scorer by name from the options that are not Ada's. Ada-KV allocates at compression only, as in the paper
-and kvpress: the wrapper does not evict while decoding.
-"""
+Notes: docs/modules.md (`kvjax/policies/ada.py`)."""
 
 from __future__ import annotations
 
@@ -26,7 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import POLICY_REGISTRY, LayerView, Policy, make_policy, register_policy, register_preset
+from kvjax.policies.base import (
+    POLICY_REGISTRY, LayerView, Policy, make_policy, register_policy, register_preset, take_roles,
+)
 from kvjax.policies.eviction import NEG, ScoredEviction, keep_top
 from kvjax.policies.snapkv import SnapKV
 
@@ -70,6 +58,7 @@ def adaptive_budgets(policy, view: LayerView, scores: jax.Array, per_head: tuple
 
 
 @register_policy("ada")
+@take_roles(scorer=("compress",))  # the scorer's inputs and sizes; the members defined below are Ada's own
 @dataclasses.dataclass(frozen=True)
 class AdaKV(Policy):
     scorer: Any = dataclasses.field(default_factory=SnapKV)
@@ -92,15 +81,6 @@ class AdaKV(Policy):
         parts = {} if scorer is None else scorer.option_types(options)
         return {**parts, "scorer": str, "alpha": float, "form": str}
 
-    # the scorer's inputs and sizes
-    @property
-    def accumulates_attention(self) -> bool:  # type: ignore[override]
-        return self.scorer.accumulates_attention
-
-    @property
-    def window_size(self) -> int:
-        return self.scorer.window_size
-
     @property
     def window(self) -> int:
         """Slots per head kept outside the allocation (`adaptive_budgets` reads it)."""
@@ -121,8 +101,8 @@ class AdaKV(Policy):
         if self.form not in ("paper", "kvpress"):
             raise ValueError(f"ada: form must be 'paper' or 'kvpress', got {self.form!r}")
 
-    def compresses_layer(self, layer: int) -> bool:
-        return self.scorer.compresses_layer(layer)
+    def slots_needed(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> int:
+        return prompt_len + max_new_tokens  # Ada allocates at compression only: nothing evicts while decoding
 
     def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
         return min(prompt_len, num_kv_heads * max(self.scorer.layer_budgets(2)))

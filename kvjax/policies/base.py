@@ -1,26 +1,6 @@
 """The policy interface and registry.
 
-A policy is a frozen, hashable dataclass (static under `jit`). A method defines the hooks of its roles;
-its capabilities follow from the hooks it defines:
-
-- **compress** (`compress_layer`, so `compresses`): after prefill, choose which slots each (sequence,
-  kv-head) keeps; the cache is compacted and the freed pages return to the pool. Inputs: the last
-  `window_size` prompt queries (SnapKV), every query's attention added to `slot_score`
-  (`accumulates_attention`, H2O), and with a `chunks` schedule (Locret) it runs after every prefill
-  chunk instead, on per-token scores stored as tokens are appended.
-- **select** (`select_pages`, so `selects_pages`): before each decode attention, which logical pages
-  each head reads (Quest).
-- **evict while decoding** (`decode_scores`, so `evicts_while_decoding`): after each decode step, a
-  head holding more than `decode_budget` slots drops its lowest-scoring one.
-
-Every hook reads a `LayerView`. The base class defines none of them: it is the full cache. Wrappers
-(`Compose`, `AdaKV`) hold other policies and forward the roles they take from them.
-
-The steps scan over layers, so the hooks get the layer index as a traced int32 scalar: index arrays with
-it, compute with it (PyramidKV's budget), but do not branch on it in Python. What differs per layer at
-trace time is said by the static predicates `compresses_layer` and `selects_pages`, called with plain
-ints; the steps group alike layers into segments by them.
-"""
+Notes: docs/modules.md (`kvjax/policies/base.py`)."""
 
 from __future__ import annotations
 
@@ -222,6 +202,36 @@ class Policy:
     def decode_scores(self, view: LayerView) -> jax.Array:
         """f32[B, H, S]: after a decode step, a head over budget drops its lowest-scoring valid slot."""
         raise NotImplementedError
+
+
+# Each role's members: its hook and what the steps ask of a policy playing it (inputs, sizes, where it acts).
+ROLE_MEMBERS: dict[str, tuple[str, ...]] = {
+    "compress": ("compresses", "accumulates_attention", "window_size", "chunks", "kept_bound", "compresses_layer",
+                 "compress_layer", "slots_needed"),
+    "select": ("selects_pages", "select_pages"),
+    "evict": ("evicts_while_decoding", "decode_budget", "decode_scores"),
+}
+
+
+def take_roles(**parts: tuple[str, ...]) -> Callable[[type], type]:
+    """Class decorator for a wrapper policy: `@take_roles(evict=("compress", "evict"), select=("select",))`
+    makes every member of those roles read the named field's policy (`self.evict.compress_layer`, ...), so
+    a wrapper states which part plays which role instead of forwarding member by member."""
+
+    def forward(part: str, member: str):
+        if not callable(getattr(Policy, member)) or isinstance(getattr(Policy, member), property):
+            return property(lambda self: getattr(getattr(self, part), member))  # a property or a class constant
+        return lambda self, *args: getattr(getattr(self, part), member)(*args)
+
+    def wrap(cls: type) -> type:
+        for part, roles in parts.items():
+            for role in roles:
+                for member in ROLE_MEMBERS[role]:
+                    if member not in cls.__dict__:  # a wrapper may still define a member itself
+                        setattr(cls, member, forward(part, member))
+        return cls
+
+    return wrap
 
 
 @register_policy("full")

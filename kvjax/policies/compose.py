@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.policies.base import LayerView, Policy, register_policy
+from kvjax.policies.base import Policy, register_policy, take_roles
 
 DEEP = 1 << 20  # a layer past every dense prefix: whether a part selects pages anywhere
 
 
 @register_policy("compose")
+@take_roles(evict=("compress", "evict"), select=("select",))
 @dataclasses.dataclass(frozen=True)
 class Compose(Policy):
     """`make_policy("compose", evict=make_policy("snapkv", ...), select=make_policy("quest", ...))`."""
@@ -34,50 +35,3 @@ class Compose(Policy):
             raise ValueError(f"compose: evict={self.evict.name} selects pages; give it as select=")
         if self.select.compresses or self.select.evicts_while_decoding:
             raise ValueError(f"compose: select={self.select.name} evicts; give it as evict=")
-
-    # ---- the evicting part's roles
-    @property
-    def compresses(self) -> bool:
-        return self.evict.compresses
-
-    @property
-    def accumulates_attention(self) -> bool:  # type: ignore[override]
-        return self.evict.accumulates_attention
-
-    @property
-    def window_size(self) -> int:
-        return self.evict.window_size
-
-    @property
-    def chunks(self):
-        return self.evict.chunks
-
-    @property
-    def evicts_while_decoding(self) -> bool:
-        return self.evict.evicts_while_decoding
-
-    @property
-    def decode_budget(self) -> int:
-        return self.evict.decode_budget
-
-    def slots_needed(self, prompt_len, max_new_tokens, chunk_size):
-        return self.evict.slots_needed(prompt_len, max_new_tokens, chunk_size)
-
-    def kept_bound(self, prompt_len, num_kv_heads):
-        return self.evict.kept_bound(prompt_len, num_kv_heads)
-
-    def compresses_layer(self, layer: int) -> bool:
-        return self.evict.compresses_layer(layer)
-
-    def compress_layer(self, view: LayerView, keep_bound: int):
-        return self.evict.compress_layer(view, keep_bound)
-
-    def decode_scores(self, view: LayerView):
-        return self.evict.decode_scores(view)
-
-    # ---- the selecting part's role
-    def selects_pages(self, layer: int) -> bool:
-        return self.select.selects_pages(layer)
-
-    def select_pages(self, view: LayerView):
-        return self.select.select_pages(view)

@@ -1,17 +1,6 @@
 """Selectors beyond Quest's bound: pages scored from a per-slot sketch of the keys, kept as page metadata.
 
-Quest bounds q.k over a page per dimension (sum_d max(q_d min_d, q_d max_d)): on 64-wide heads the bound
-is loose, and pages with wide ranges outrank the needle's. A sketch selector instead keeps one small row
-per slot (`KeySketch.codes [N, ps, R]`) and scores a page by its best slot, max_s q~ . code_s, where q~ is
-the query mapped into the sketch's space (`pallas_kernels.sketch_page_scores`). Reads are Quest's: the
-current page plus the top `token_budget // page_size - 1` pages per head, through `sparse_paged_decode`.
-
-A subclass says how to fit the sketch to a prompt (`fit`, per layer, sequence and kv head, from the
-prefilled keys), how to sketch keys (`codes`) and queries (`query`). After prefill `attach_sketch` fits it
-and writes every prefilled slot's row; each decode step's append writes the new token's (`sketch_keys`,
-called by the step). Composition with an evictor (`Compose`) is not supported: compaction does not move
-the sketch.
-"""
+Notes: docs/modules.md (`kvjax/policies/key_sketch.py`)."""
 
 from __future__ import annotations
 

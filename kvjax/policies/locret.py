@@ -1,24 +1,6 @@
 """Locret (Huang et al., 2024): trained retaining heads score each token; chunked prefill evicts to a budget.
 
-Each token's score (its "CIS") is computed once, when it is appended, by the layer's retaining head on
-that token's pre-RoPE q, k and v (`kvjax.locret.heads.retaining_scores`, the function training uses), and
-stored in the state's `slot_score`. After every prefill chunk each (sequence, kv-head) keeps its top
-`token_budget - local_tail` slots; the newest `stabilizers` slots count as +inf except after the
-sequence's last chunk. The last `local_tail` prompt tokens are then appended without eviction, and
-decoding evicts nothing. So a head never holds more than budget + one chunk (+ tail and new tokens),
-and the pool is sized for that, not for the prompt.
-
-`token_budget` counts every slot a head keeps after prefill (the evicted part plus the tail), as for the
-other policies. Keys stay post-RoPE at their original positions; unlike the authors' code, kept keys are
-not re-rotated to compacted positions.
-
-Fields (defaults; the paper's for Llama-3.1-8B in brackets): `token_budget` 128 [16384], `stabilizers`
-32 [2500], `local_tail` 16 [100], `heads` (required): a `RetainingHeads`, a path (`save_heads` directory
-or `.safetensors` export), the name of a model whose heads ship with kvjax (`heads="tiny"`,
-`heads="smollm2-135m"`: `kvjax/assets/locret-heads/`) or a parameter dict. The heads are data, not part of
-the policy's identity: they reach the jitted step as an argument (the `chunks` schedule's params), so two
-policies that differ only in their heads share compiled steps and nothing is baked into a program.
-"""
+Notes: docs/modules.md (`kvjax/policies/locret.py`)."""
 
 from __future__ import annotations
 
@@ -33,7 +15,7 @@ from kvjax.policies.base import ChunkSchedule, LayerView, Policy, register_polic
 from kvjax.policies.eviction import NEG, keep_top, recent
 
 def _as_heads(heads):
-    from kvjax.locret.heads import RetainingHeads, load_heads
+    from kvjax.policies.locret_heads import RetainingHeads, load_heads
 
     if isinstance(heads, RetainingHeads):
         return heads
@@ -105,6 +87,6 @@ class Locret(Policy):
 
 def _retaining_scores(layer, inputs, params) -> jax.Array:
     """f32[B, C, H]: the layer's retaining head on each appended token's pre-RoPE q, k and v."""
-    from kvjax.locret.heads import retaining_scores, stacked_layer
+    from kvjax.policies.locret_heads import retaining_scores, stacked_layer
 
     return retaining_scores(stacked_layer(params, layer), inputs.q_pre, inputs.k_pre, inputs.v)

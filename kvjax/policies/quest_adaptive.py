@@ -1,22 +1,7 @@
 """Adaptive Quest (the idea of Twilight, Lin et al., 2025, from Quest's authors): per head, read the fewest
 pages whose estimated attention mass reaches `top_p`, instead of a fixed number of pages.
 
-At a decode step every scored page p of a head (each page below the length but the current one) gets
-Quest's bound u_p = sum_d max(q_d * kmin_d, q_d * kmax_d) >= q.k over the page's keys. The estimated mass of
-page p is softmax_p(u_p / sqrt(D)) over those scored pages: the attention the page's best possible key
-would get, normalised over the pages that compete for reads. The 1/sqrt(D) is the attention logit's
-scale; pages are full, so weighting by slot count would change nothing; the current page is read
-anyway, so its mass is left out of the normalisation (top_p is a share of the *other* pages' mass).
-Each head reads its highest-bound pages, in order, until their mass reaches `top_p` (Twilight's top-p,
-here over pages), at least `min_pages` and at most `token_budget // page_size - 1` of them, plus the
-current page. The selection keeps the static `int32[B, Hq or H, K]` form of Quest with K = that cap and
--1 past a head's count, so shapes and compiles are as for Quest.
-
-Fields (defaults): `top_p` 0.9; `token_budget` 64, the cap in slots (selected pages plus the current
-one); `min_pages` 1; `dense_layers` 2 (Quest's); `per_kv_head` False (one selection per query head);
-`page_size` None (the cache's). `selected_page_counts` counts the pages a selection reads, for
-comparing against fixed-budget Quest at equal pages read.
-"""
+Notes: docs/modules.md (`kvjax/policies/quest_adaptive.py`)."""
 
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
 """Fine-tuning CacheClip's auxiliary model so that its last-layer attention matches the main model's.
 
-CacheClip (arXiv:2510.10129) scores the chunk tokens to recompute by a small auxiliary model's attention
-from the query. Untuned, a truncated copy of the main model (`truncated_model`) attends where the main
-model's first layers do, which is not where the main model's answer needs cross-chunk attention restored
-(measured: straddler recall 0.14 against CacheBlend's 0.83, docs/cacheclip.md). The paper's first technique
-fine-tunes the auxiliary model so its attention matches the main model's. Here:
-
-- **target** (`attention_target`): the main model's attention from the question's `query_len` tokens and,
-  in training, the answer's `answer_len` tokens that follow it (teacher-forced), over the context,
-  averaged over layers, heads and rows, from a dense causal forward (what full prefill and the answer's
-  decode steps attend to). The answer's rows matter: in the tiny model the question's own attention
-  points at the asked record's first digit, while the digits after a chunk boundary are read only by
-  the later decode steps (docs/cacheclip.md), so a question-only target cannot teach the selection to
-  find them;
-- **prediction** (`aux_attention`): the auxiliary model's last-layer attention from the same rows,
-  averaged over heads and rows: exactly what `AuxScorer(context="full")` scores with;
-- **loss** (`aux_loss`): KL(target || prediction) over the context positions, each renormalised over
-  them (the question's own tokens are not candidates for recomputation).
-
-`selection_recall` is the evaluation: the share of the target's top r% context tokens that the
-auxiliary model's top r% selects. Both forwards are dense and causal and call
-`kvjax.cache.attention.masked_attention`. Shapes: B prompts of T tokens, the last Q of them the question.
-"""
+Notes: docs/modules.md (`kvjax/rag/aux_tuning.py`)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.models.config import ModelConfig
-from kvjax.engine.generation import prefill
+from kvjax.engine.api import prefill
 from kvjax.models.loading import Model
 from kvjax.models import layer_params
 from kvjax.models.transformer import Attention, RMSNorm

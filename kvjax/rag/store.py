@@ -1,19 +1,6 @@
 """Chunk KV cache store: each chunk's K/V computed once by the main model, keyed by a content hash.
 
-A chunk is encoded after the shared prefix (the system prompt, whose first tokens are the attention sink),
-at positions P..P+T-1, and only the chunk's own K/V are kept; the prefix is stored once. Keys are kept in
-one of two forms, fixed per store:
-
-- `pre_rope` (default): keys before RoPE. Assembly rotates them at their new positions exactly as the
-  forward would; works for every RoPE type and either LongRoPE factor set.
-- `rotated`: keys after RoPE at their encoding positions. Assembly re-rotates them by the position delta
-  in float32 (`rope_shift.shift_keys`); refused across LongRoPE's short/long switch.
-
-Entries carry the fingerprint of the model and tokenizer that made them; using them with another raises
-`ChunkMismatchError`. They live in a byte-bounded LRU (`kvjax.util.lru.BytesLRU`): unbounded by default,
-`max_bytes` for a budget of their own, or `lru=engine.cache` to share the batch engine's budget with its
-prefix carries.
-"""
+Notes: docs/modules.md (`kvjax/rag/store.py`)."""
 
 from __future__ import annotations
 

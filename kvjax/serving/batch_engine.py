@@ -1,32 +1,6 @@
 """The serving engine over `generate`'s own machinery: every policy, continuous batching, sampling per request.
 
-A request is prefilled on its own by `kvjax.engine.generation.prefill_row_steps` (chunked prefill with its policy:
-compression after prefill, per-chunk eviction, Quest's metadata), its decode tail fed by `feed_tokens`, and
-its first token sampled from the prefill's logits, exactly as `generate` does for one prompt (its chunks may
-be spread over several engine steps, between the live batches' dispatches: `prefill_chunks_per_step`). The
-one-sequence state is then inserted into a free row of a decode batch (`kvjax.cache.rows.insert_row`), and
-`kvjax.engine.decode_loop.decode_steps`, `generate`'s on-device loop with its append step and kernels, advances
-every live row of the batch `steps_per_dispatch` tokens per call. A finished row (EOS, its token limit, or
-its `on_tokens` callback asking to stop) is released at once (`release_row`) and its row and pages serve
-the next request, so requests join and leave the batch between dispatches.
-
-Rows of one batch share what the compiled step takes as static: the policy, the sampling settings
-(temperature, top-k, top-p; each request keeps its own seed, one PRNG key per row) and the stop tokens.
-Requests that differ there go to different batches (`_Batch`, created on demand, dropped when their last
-row finishes), served in turn. Each batch owns one page pool, sized for `max_rows` full-capacity rows by
-default; when a batch is dropped every page must be back on its free stack (`leaked_pages` counts any
-that are not). Tokens equal `generate`'s
-for the same prompt, policy and seed (`tests/test_batch_engine.py`).
-
-Prompts sharing whole prefill chunks share work: a request's prefill resumes from the carry cached at the
-longest shared chunk boundary (`kvjax.serving.prefix_states`), and under a policy that never rewrites a
-row's pages (full, Quest) a row inserted while another live row of its batch holds that prefix shares its
-pages (refcounted; `tests/test_prefix_states.py`).
-
-    engine = BatchEngine(model, max_rows=8, capacity=2048)
-    rid = engine.submit(prompt_ids, max_new_tokens=32, policy=make_policy("snapkv", token_budget=256))
-    outputs = engine.run()             # request id -> BatchRequest (tokens, logprobs, finish_reason)
-"""
+Notes: docs/modules.md (`kvjax/serving/batch_engine.py`)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
 """An OpenAI-compatible HTTP server over kvjax generation (`kvjax serve`), on FastAPI and uvicorn.
 
-    kvjax serve --model smollm2-135m --port 8000 --policy quest --policy-option token_budget=512
-    curl 127.0.0.1:8000/v1/completions -d '{"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 8}'
-
-Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's chat template), both with
-`"stream": true` as server-sent events; `GET /v1/models`; `GET /health`. Sampling per request:
-`temperature`, `top_p`, `top_k` (an extension), `seed`, `max_tokens`, `stop` (strings). The extension
-`kv_policy` picks the request's cache policy: a name with options, `"quest:token_budget=256,dense_layers=2"`,
-or an object `{"name": "quest", "token_budget": 256}`; the server's `--policy` otherwise.
-
-Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad field (named in
-`param`), for a prompt plus `max_tokens` past the server's context, or for a policy that does not build; 404
-for an unknown model. One worker thread runs the continuous-batching engine
-(`kvjax.serving.batch_engine.BatchEngine`, `generate`'s prefill, step and decode loop): requests join a
-decode batch of `max_rows` rows as rows free up (a busy server queues, it does not refuse), leave it when
-done, and stream each dispatch's tokens as text. Requests with the same policy and sampling settings share
-a batch; each keeps its own seed.
-"""
+Notes: docs/modules.md (`kvjax/serving/http.py`)."""
 
 from __future__ import annotations
 

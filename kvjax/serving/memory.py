@@ -1,20 +1,7 @@
 """What a decode batch's pages hold, sampled between dispatches, and what other paging schemes would hold
 for the same rows.
 
-`sample_memory` reads one batch state on the host: for each live row, the single-head pages it references
-(`KVState` pages: `page_size` slots of one kv head of one layer), the slots in them that hold a token
-attention reads (`slot_pos >= 0`), the tokens the row has seen, and per layer and kv head the slots it keeps.
-Pages shared by several rows (a common prefix under full attention or Quest) count once in `held_slots`
-and once per row in `row_held_slots`.
-
-The same rows under two page-table schemes that hold a page of `page_tokens` tokens of *every* kv head of
-a set of layers (vLLM's and Jenga's pages), computed from the measured kept slots, with no prefix sharing:
-- `uniform_slots`: vLLM v0's uniform paging: every layer keeps every token the row has seen, for the
-  request's life (no window release, no compression, no eviction);
-- `grouped_slots`: Jenga's typed groups at their finest, one group per layer: a layer holds pages for the
-  most slots any of its kv heads keeps (a group's page table is shared by its heads).
-Waste of a scheme = 1 - kept / held: slots held that hold nothing attention reads.
-"""
+Notes: docs/modules.md (`kvjax/serving/memory.py`)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
 """A prefix cache of prefill carries: the batch engine's prefix hits.
 
-Chunked prefill is a fold over whole chunks, and its carry after a chunk (the one-sequence state, the
-window of last queries, the logits: `kvjax.engine.generation.PrefillCarry`) is immutable data. So a request whose
-prompt starts with the same whole chunks as an earlier one can start its prefill from the earlier
-request's carry at the longest such boundary and compute only the rest; the result equals a prefill from
-scratch (the same chunks run; `tests/test_prefix_states.py`). Entries are named by the chained hash of
-their chunks (`kvjax.util.hashing`, as vLLM's prefix blocks) under a key of what else shapes a prefill (the
-policy, LongRoPE, capacity, page size), stored compactly (`kvjax.cache.rows.narrow_row`: only the pages held)
-and evicted least recently used beyond a byte budget (`kvjax.util.lru.BytesLRU`, which RAG chunk caches may
-share: `ChunkStore(model, lru=engine.cache)`).
-
-The batch engine also shares pages between live rows of one batch for policies that never rewrite them
-(full, Quest): a row inserted while another holds the same whole-chunk prefix points at that row's pages
-(`kvjax.cache.rows.insert_row(..., share_from, shared_pages)`); see docs/design.md.
-"""
+Notes: docs/modules.md (`kvjax/serving/prefix_states.py`)."""
 
 from __future__ import annotations
 

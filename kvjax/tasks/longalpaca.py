@@ -1,47 +1,6 @@
 """LongAlpaca-format rows (`{"instruction": document + question, "output": answer}`) built from kvjax's tasks.
 
-Training data for retaining heads when LongAlpaca-12k itself cannot be had (no dataset hub here):
-
-- `multikey_rows`: synthetic records hidden in filler (`kvjax.tasks.synthetic`), for the shipped tiny model;
-- `real_text_rows`: long real text (`kvjax.tasks.real_text`: Debian's licence texts unless a corpus is
-  given) with a question whose answer is a span of that text, for real models;
-- `needle_rows`: the real-text needle tasks themselves (`kvjax.tasks.needles`: RULER's multi-key and
-  multi-value needles by default), for heads meant to keep needles (an ablation of the labels: see below).
-
-**The real-text recipe** (`real_text_rows(tokenizer, num_rows, lengths, seed)`). Row `i` draws everything
-from its own generator `np.random.default_rng([seed, i])`, so a row depends only on (seed, i, its length,
-the tokenizer and the corpus), never on how many rows are asked:
-
-1. a window of exactly `lengths[i % len(lengths)]` tokens of the corpus in the tokenizer's ids, starting
-   at a random sentence start (`real_text.windows`, `disjoint=False`); the document is its decoded text;
-2. the task is `kinds[i % len(kinds)]`, and a sentence of the window is drawn among those long enough
-   (at least `MIN_CUE + min_answer` tokens) whose quoted part occurs exactly once in the document:
-   - `continue`: the question quotes the sentence's first `max(MIN_CUE, n // 2)` tokens (moved forward
-     to the next word start) and asks for the rest of it; the answer is that rest (at most `max_answer` tokens);
-   - `next`: the question quotes the whole sentence and asks for the one that follows it in the text;
-     the answer is that next sentence (at most `max_answer` tokens);
-3. instruction = `PREAMBLE`, the document and the question (`TEMPLATE`), LongAlpaca's layout ("Below is
-   a paper. Memorize the paper and answer my question after the paper. ...").
-
-So every answer is a span of the document, and its queries look back at the place it was copied from.
-The wording deliberately differs from the evaluation's passkey and RULER needles (`kvjax.tasks.needles`),
-so heads trained on these rows are not tuned to the evaluation's needles. A window that offers no
-usable sentence is redrawn (up to `MAX_TRIES` times, then `ValueError`). The corpus has 31.5K SmolLM2
-tokens, so windows of 8K overlap across rows: the rows differ in window start, sentence and task.
-
-    python -m train.locret_data --model smollm2-135m --out data/locret_real_text.jsonl --rows 600 --lengths 2048 4096 8192
-
-**The needle recipe** (`needle_rows(tokenizer, num_rows, lengths, seed, tasks)`). Row `i` is sample 0 of
-`kvjax.tasks.needles.make_samples(tasks[i % len(tasks)], tokenizer, lengths[i % len(lengths)], 1,
-rng=[seed, i])` in the plain layout (no chat template: training applies the model's own): the instruction
-is the whole prompt (instruction, filler with its needles, question) and the output the asked value(s),
-comma-separated. Its answer's queries look at the needle, so the labels single out a sentence that stands
-out from its filler, which is what retrieval asks the heads to keep. Evaluating heads trained on these rows
-on the same tasks measures what such labels can do, not generalisation: keep the passkey (another wording)
-as the held-out task, and the seeds apart from the evaluation's (it draws from seed 0).
-
-    python -m train.locret_data --recipe needles --model smollm2-135m --out data/locret_needles.jsonl --rows 300 --lengths 1024 2048 --seed 1000
-"""
+Notes: docs/modules.md (`kvjax/tasks/longalpaca.py`)."""
 
 from __future__ import annotations
 

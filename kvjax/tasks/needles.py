@@ -1,29 +1,7 @@
 """Retrieval and perplexity tasks in real text for real models (any Hugging Face tokenizer): Quest's
 passkey, RULER's needles (single, multi-key, multi-value) and PG19-style perplexity texts.
 
-Protocol (Quest, RULER): a sample's `context_ids` are prefilled (and compressed, for a policy that
-compresses), its `question_ids` are fed by decode (`generate(..., decode_last=len(question_ids))`), the
-answer is generated greedily. Filler comes from `kvjax.tasks.real_text` (Debian's licence texts unless a
-corpus is given), one distinct window per sample; needles sit at sentence starts nearest their depth.
-
-- **passkey** (Quest's `evaluation/passkey/passkey.py`): the instruction "There is an important info
-  hidden inside a lot of irrelevant text. Find it and memorize them. I will quiz you about the important
-  information there.", the needle "The pass key is {k}. Remember it. {k} is the pass key." with k in
-  1..50000, the question "What is the pass key? The pass key is"; depths spread evenly over the samples;
-  10 tokens generated, correct when the first integer of the output is k. (Quest joins its parts with
-  newlines and feeds the last 400 characters by decode; here the needle is a sentence of the text and
-  only the question is decoded.)
-- **niah_single / niah_multikey / niah_multivalue** (RULER's `scripts/data/synthetic/niah.py` with its
-  `synthetic.yaml` settings, essay haystack): needles "One of the special magic numbers for {key} is:
-  {value}." with adjective-noun keys and 7-digit values; multikey adds distractor needles with other keys
-  (4 keys in all), multivalue gives the asked key 4 values, all to be produced. RULER's template
-  ("A special magic number is hidden within the following text. ..." / "Some special magic numbers are
-  ...") with its answer prefix; scored with RULER's `string_match_all` (and `string_match_part`).
-- `chat=True` puts instruction, context and question in the user turn of the tokenizer's chat template;
-  the question, the end of the turn, the assistant header and the answer prefix are the decoded part.
-- **perplexity texts**: a real-text window split into a prefilled context and a continuation scored
-  token by token (`eval.perplexity.decode_perplexity(..., prefix_tokens=len(context_ids))`).
-"""
+Notes: docs/modules.md (`kvjax/tasks/needles.py`)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
 """Cross-chunk RAG prompts in real text for real models (CacheClip's evaluation on SmolLM2-135M).
 
-A request is a prefix (the instruction, in the user turn of the chat template when `chat`), `num_chunks`
-retrieved chunks of exactly `chunk_len` tokens of real prose (`kvjax.tasks.real_text` windows, none used
-twice in one call), and a query (the question, the end of the turn, the assistant header and an answer
-prefix). Facts are sentences put into the chunks at token level; `num_distractors` facts about other
-names sit whole inside chunks. The asked fact, by `kind`:
-
-- `straddle`: "The secret code of {name} is {value}." cut at a random token inside it, its head ending one
-  chunk and its tail starting the next: the tail's keys were encoded without the head (CacheClip's and
-  CacheBlend's motivating case);
-- `split`: the same fact cut exactly before the value: the key in one chunk, the value in the next;
-- `two_hop`: "{name} left the code in locker {locker}." in one chunk and "Locker {locker} holds the code
-  {value}." in a later one, both whole: the answer needs both, read across chunks at query time;
-- `inside`: the asked fact whole inside one chunk (the control).
-
-Values are 7-digit numbers (RULER's), names adjective-noun pairs (`needles.ADJECTIVES`, `needles.NOUNS`; the
-asked one among those of the most common token length, so a kind's queries share one length),
-lockers 3-digit numbers; a sample is correct when its value occurs in the generated text (RULER's
-string match). `after_boundary` gives, in the assembled context's slots (prefix, then the chunks), the
-asked fact's tokens after the chunk boundary (`straddle`, `split`): a recomputation that finds them
-restores what reuse lost. Seeded by `rng`: the same seed gives the same requests.
-"""
+Notes: docs/modules.md (`kvjax/tasks/rag_real.py`)."""
 
 from __future__ import annotations
 

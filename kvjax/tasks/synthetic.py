@@ -1,20 +1,6 @@
 """Synthetic long-context retrieval text: the shipped model's training data and the evaluation tasks.
 
-Two tasks, written as plain text over the shipped word-level vocabulary (`VOCABULARY`):
-
-- **passkey** (Quest / YaRN protocol): the filler "The grass is green. The sky is blue. The sun is yellow.
-  Here we go. There and back again." repeated; the needle "The pass key is {k}. Remember it. {k} is the
-  pass key." at a chosen depth; the question "What is the pass key? The pass key is".
-- **multi-key needle** (RULER's noise haystack with several records): records "{key} {value} ." hidden in
-  the same filler; the question "What is the magic number for {key}? {key}" names one record, so only the
-  question tells which record matters. The value follows its key directly: with RULER's wording
-  ("One of the special magic numbers for {key} is: {value}.") the value sits two tokens after the key,
-  and a tiny model stalled at chance on that layout (docs/default_model.md); see
-  docs/default_model.md.
-
-Lengths are in tokens of the shipped tokenizer: one token per word, punctuation mark and digit. Every
-function takes a `numpy.random.Generator`, so a seed fixes a task set.
-"""
+Notes: docs/modules.md (`kvjax/tasks/synthetic.py`)."""
 
 from __future__ import annotations
 
