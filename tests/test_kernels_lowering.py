@@ -72,7 +72,7 @@ def assert_one_mosaic_kernel(text, kernel):
 
 @pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode", "quest_page_scores"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_kernels_lower_to_triton(kernel, dtype):
+def test_gpu_kernels_lower_to_triton(simulated_gpu, kernel, dtype):
     from kvjax.pallas_kernels._backend import triton_compiler_params
 
     if triton_compiler_params() is None:
@@ -89,7 +89,7 @@ def test_tpu_kernels_lower_to_mosaic(simulated_tpu, kernel, dtype, per_kv_head):
 
 
 @pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode"])
-def test_int8_decode_kernels_lower_to_triton(kernel):
+def test_int8_decode_kernels_lower_to_triton(simulated_gpu, kernel):
     from kvjax.pallas_kernels._backend import triton_compiler_params
 
     if triton_compiler_params() is None:
@@ -107,7 +107,7 @@ def test_int8_decode_kernels_lower_to_mosaic(simulated_tpu, kernel, dtype, per_k
 
 @pytest.mark.parametrize("kernel", ["sparse_paged_decode", "paged_decode"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_kernels_lower_to_mosaic_gpu(kernel, dtype):
+def test_decode_kernels_lower_to_mosaic_gpu(simulated_gpu, kernel, dtype):
     """The Mosaic GPU (TMA) decode kernel: the full Pallas -> Mosaic GPU lowering for CUDA (no ptxas)."""
     from kvjax.pallas_kernels.decode_mosaic_gpu import has_mosaic_gpu
 
