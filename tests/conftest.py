@@ -148,20 +148,24 @@ def mistral(hf_models):
     return hf, kvjax.load_model(path)
 
 
-@pytest.fixture
-def simulated_tpu():
-    """An abstract mesh whose device is a TPU v5e, so the Mosaic lowering knows its target."""
+def _abstract_device_mesh(device_kind: str, num_cores: int, platform: str):
+    """A context in which lowering targets an abstract device of that kind, or a skip where this JAX's
+    private API for it moved."""
     import jax
 
     try:
         from jax._src.mesh import AbstractDevice
 
-        device = AbstractDevice(device_kind="TPU v5e", num_cores=1, platform="tpu")
-        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-        context = jax.sharding.use_abstract_mesh(mesh)
-    except (ImportError, TypeError, AttributeError) as error:  # private API moved in another JAX
-        pytest.skip(f"cannot simulate a TPU device for lowering here: {error}")
-    with context:
+        device = AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform=platform)
+        return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+    except (ImportError, TypeError, AttributeError) as error:
+        pytest.skip(f"cannot simulate a {platform} device for lowering here: {error}")
+
+
+@pytest.fixture
+def simulated_tpu():
+    """An abstract mesh whose device is a TPU v5e, so the Mosaic lowering knows its target."""
+    with _abstract_device_mesh("TPU v5e", 1, "tpu"):
         yield
 
 
@@ -169,17 +173,7 @@ def simulated_tpu():
 def simulated_gpu():
     """An abstract mesh whose device is an H100, the target Pallas's Triton lowering asks for from JAX 0.12
     on (it stops at "No supported GPU devices found" on a machine without one)."""
-    import jax
-
-    try:
-        from jax._src.mesh import AbstractDevice
-
-        device = AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="cuda")
-        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-        context = jax.sharding.use_abstract_mesh(mesh)
-    except (ImportError, TypeError, AttributeError) as error:  # private API moved in another JAX
-        pytest.skip(f"cannot simulate a GPU device for lowering here: {error}")
-    with context:
+    with _abstract_device_mesh("NVIDIA H100", 132, "cuda"):
         yield
 
 
