@@ -89,10 +89,17 @@ def generate(out: str) -> dict:
 
 
 def _write_rows(path: str) -> None:
-    sys.path.insert(0, HERE)
-    from test_locret_training import _write_rows as write
+    """Eight passkey rows of different lengths: Locret's loss weighs tokens, so a batch split into other
+    microbatches (or doubled) gives another loss."""
+    import numpy as np
 
-    write(path, n=8)
+    from kvjax.tasks.synthetic import digits, passkey_sample
+
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for i in range(8):
+            sample = passkey_sample(rng, 50 + 13 * i)
+            f.write(json.dumps({"instruction": sample.prompt, "output": digits(sample.answer) + " ."}) + "\n")
 
 
 def _train(out: str, name: str, extra: list[str]) -> list[str]:

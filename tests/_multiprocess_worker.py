@@ -4,8 +4,8 @@
     python -m kvjax.distributed.launch -n 2 --cpu-devices 2 -- python tests/_multiprocess_worker.py OUT \
         inside=full,h2o spans=quest
 
-Every process runs the same program (SPMD). The processes take turns running a case on one device (their
-first) for reference. Nothing is asserted here; the test asserts on the JSON files.
+Every process runs the same program (SPMD). First the processes split the policies between them and run
+each on one device (their first) for reference. Nothing is asserted here; the test asserts on the JSON files.
 """
 
 from __future__ import annotations
@@ -38,7 +38,16 @@ MESHES = {  # the model axis inside each process (2 data x 2 model), and across 
 }
 
 
-def run_case(model, mesh_name: str, name: str, reference: bool, references: dict) -> dict:
+def reference(model, name: str) -> tuple[dict, list]:
+    """Kept positions after prefill and the tokens of `name`'s policy on one device (this process's first)."""
+    policy, rows = cases.policy(name, model.cfg), cases.prompts(4)
+    with jax.default_device(jax.local_devices()[0]):
+        state, _ = kvjax.prefill(model, rows, policy, chunk_size=16, max_new_tokens=NEW_TOKENS)
+        tokens = np.asarray(kvjax.generate(model, rows, NEW_TOKENS, policy, chunk_size=16)).tolist()
+    return cases.kept_by_head(state), tokens
+
+
+def run_case(model, mesh_name: str, name: str, references: dict) -> dict:
     mesh = MESHES[mesh_name]()
     policy = cases.policy(name, model.cfg)
     rows = cases.prompts(4)
@@ -50,12 +59,7 @@ def run_case(model, mesh_name: str, name: str, reference: bool, references: dict
         "mesh_processes": [[d.process_index for d in row] for row in mesh.devices],
         "state_fully_addressable": bool(state.k_pages.is_fully_addressable),
     }
-    if reference:  # the single-device reference, on this process's first device (once per policy)
-        if name not in references:
-            with jax.default_device(jax.local_devices()[0]):
-                ref_state, _ = kvjax.prefill(model, rows, policy, chunk_size=16, max_new_tokens=NEW_TOKENS)
-                ref_tokens = np.asarray(kvjax.generate(model, rows, NEW_TOKENS, policy, chunk_size=16)).tolist()
-            references[name] = cases.kept_by_head(ref_state), ref_tokens
+    if name in references:
         ref_kept, out["ref_tokens"] = references[name]
         out["kept_equal"] = ref_kept == kept
     return out
@@ -66,10 +70,11 @@ def main(out_dir: str, *meshes: str) -> None:
     result = {"process": jax.process_index(), "processes": jax.process_count(), "devices": len(jax.devices()),
               "local_devices": jax.local_device_count(), "runs": []}
     todo = [(mesh_name, name) for item in meshes for mesh_name, names in [item.split("=")] for name in names.split(",")]
-    turns = {name: i % jax.process_count() for i, name in enumerate(dict.fromkeys(name for _, name in todo))}
-    references: dict = {}
+    # the references first, split between the processes (no collective yet, so neither waits on the other)
+    names = list(dict.fromkeys(name for _, name in todo))
+    references = {name: reference(model, name) for i, name in enumerate(names) if i % jax.process_count() == jax.process_index()}
     for mesh_name, name in todo:
-        result["runs"].append(run_case(model, mesh_name, name, turns[name] == jax.process_index(), references))
+        result["runs"].append(run_case(model, mesh_name, name, references))
     with open(os.path.join(out_dir, f"process{jax.process_index()}.json"), "w") as f:
         json.dump(result, f)
 
