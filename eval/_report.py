@@ -48,6 +48,17 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 def write_outputs(out_dir: str, name: str, payload: dict, table_md: str) -> dict[str, str]:
+    """Writes `payload` as NAME.json and `table_md` as NAME.md under `out_dir`. Every run records whether the
+    machine was quiet or shared: the load average when this module was imported (the program's start) and
+    now, unless the program recorded its own, and the Markdown prints them."""
+    if "cpu_load_before" not in payload and "load_before" not in payload and "load_start" not in payload:
+        payload["cpu_load_before"] = LOAD_AT_START
+    if "cpu_load_after" not in payload and "load_after" not in payload and "load_end" not in payload:
+        payload["cpu_load_after"] = cpu_load()
+    if "Load" not in table_md:
+        before = payload.get("cpu_load_before", payload.get("load_before", payload.get("load_start")))
+        after = payload.get("cpu_load_after", payload.get("load_after", payload.get("load_end")))
+        table_md = table_md.rstrip("\n") + f"\n\nLoad average before/after: {before} / {after}.\n"
     os.makedirs(out_dir, exist_ok=True)
     paths = {"json": os.path.join(out_dir, f"{name}.json"), "md": os.path.join(out_dir, f"{name}.md")}
     with open(paths["json"], "w") as f:
@@ -97,6 +108,9 @@ def cpu_load() -> list[float] | None:
             return [float(x) for x in f.read().split()[:3]]
     except OSError:
         return None
+
+
+LOAD_AT_START = cpu_load()  # when a program first imports this module: its load "before"
 
 
 def usable_cpus() -> int:

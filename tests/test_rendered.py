@@ -1,5 +1,6 @@
 """Every rendered table in the README and docs equals what its committed JSON renders to (`eval/_render.py`)."""
 
+import json
 import os
 import re
 
@@ -66,3 +67,13 @@ def test_committed_results_carry_no_absolute_machine_path():
                 with open(os.path.join(folder, name), errors="replace") as f:
                     found += [(os.path.relpath(os.path.join(folder, name), root), m) for m in pattern.findall(f.read())]
     assert not found, found[:5]
+
+
+def test_every_written_result_records_the_load(tmp_path):
+    from kvjax.eval._report import write_outputs
+
+    payload = {"rows": []}
+    paths = write_outputs(str(tmp_path), "x", payload, "| a |\n|---|\n")
+    recorded = json.load(open(paths["json"]))
+    assert "cpu_load_before" in recorded and "cpu_load_after" in recorded
+    assert "Load average before/after" in open(paths["md"]).read()
