@@ -1,6 +1,7 @@
 """The serving engine with the shipped tiny model's heads split over a 1x2 mesh of simulated CPU devices,
-against the same engine on one device; then `kvjax serve --mesh 1x2` answering over HTTP. Prints one JSON
-object (tests/test_multiprocess.py asserts on it). XLA_FLAGS must be set before jax is imported.
+against the same engine on one device (full attention); then `kvjax serve --mesh 1x2` answering over
+HTTP. Prints one JSON object (tests/test_multiprocess.py asserts on it). XLA_FLAGS must be set before jax
+is imported.
 """
 
 from __future__ import annotations
@@ -25,25 +26,18 @@ from kvjax.serving.batch_engine import BatchEngine  # noqa: E402
 from kvjax.serving.http import serve_in_background  # noqa: E402
 
 ENGINE = dict(max_rows=2, capacity=256, chunk_size=32, steps_per_dispatch=4)
-# three full-attention requests for two rows (the third waits for a row to be released), and SnapKV's in a
-# batch of its own (compressed after prefill: its heads keep different slots)
-POLICIES = ["full", "full", "full", "snapkv:token_budget=24,window=4"]
+# three full-attention requests for two rows (the third waits for a row to be released); the policies'
+# own sharded paths (compaction, selection) are tested by the generation runs
+REQUESTS = 3
 HTTP_PROMPT = np.random.default_rng(1).integers(3, 124, size=37).tolist()  # the tiny model's vocabulary: 124
-
-
-def policy_of(spec: str):
-    from kvjax.policies.options import parse_policy_options
-
-    name, _, options = spec.partition(":")
-    return kvjax.make_policy(name, **parse_policy_options(name, [o for o in options.split(",") if o]))
 
 
 def serve_all(model, backend=None) -> dict:
     engine = BatchEngine(model, backend=backend, **ENGINE)
     rng = np.random.default_rng(0)
-    for i, spec in enumerate(POLICIES):
+    for i in range(REQUESTS):
         prompt = rng.integers(3, model.cfg.vocab_size, size=40 + 7 * i).tolist()
-        engine.submit(prompt, 6 + i, policy_of(spec), eos_token_id=[], request_id=f"r{i}")
+        engine.submit(prompt, 6 + i, eos_token_id=[], request_id=f"r{i}")
     if backend is None:  # what the HTTP request below must answer
         engine.submit(HTTP_PROMPT, 8, request_id="http")
     done = engine.run()
