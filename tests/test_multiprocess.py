@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,14 +28,17 @@ BACKGROUND_RUNS = (("generate",), ("train",), ("serve",))
 
 def start_worker(kind: str) -> subprocess.Popen:
     """Start one run in a new session (so a timeout kills its launcher and every process it started)."""
+    from _multiprocess_runs import FLAGS
+
+    out = tempfile.mkdtemp(prefix=f"kvjax-{kind}-")  # logs, checkpoints; removed when the run succeeds
     if kind == "serve":
         command = [sys.executable, os.path.join(HERE, "_serve_mesh_worker.py")]
     else:
-        command = [sys.executable, os.path.join(HERE, "_multiprocess_runs.py"), kind, tempfile.mkdtemp(prefix=f"kvjax-{kind}-")]
-    from _multiprocess_runs import FLAGS
-
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        command = [sys.executable, os.path.join(HERE, "_multiprocess_runs.py"), kind, out]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, XLA_FLAGS=FLAGS), start_new_session=True)
+    proc.out_dir = out
+    return proc
 
 
 def run(kind: str) -> dict:
@@ -46,10 +50,14 @@ def run(kind: str) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the run's own session: its launcher and the processes it started
         proc.communicate()
-        pytest.fail(f"the {kind} run took more than {TIMEOUT} s")
+        pytest.fail(f"the {kind} run took more than {TIMEOUT} s (logs in {proc.out_dir})")
     if proc.returncode != 0:
-        pytest.fail(f"the {kind} run failed ({proc.returncode}):\n{stderr[-4000:]}")
-    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+        pytest.fail(f"the {kind} run failed ({proc.returncode}; logs in {proc.out_dir}):\n{stderr[-4000:]}")
+    result = json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+    failed = [name for name, code in result.get("codes", {}).items() if code != 0]
+    if not failed:
+        shutil.rmtree(proc.out_dir, ignore_errors=True)
+    return dict(result, logs=proc.out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +74,7 @@ def trained():
 
 
 def test_generation_over_two_processes_equals_one_device(generated):
-    assert generated["codes"]["worker"] == 0, "the 2-process generation failed: see its worker.log"
+    assert generated["codes"]["worker"] == 0, f"the 2-process generation failed: see {generated['logs']}/worker.log"
     first, second = generated["processes"]
     assert (first["processes"], first["devices"], first["local_devices"]) == (2, 4, 2)
     assert [(r["mesh"], r["policy"]) for r in first["runs"]] == [(r["mesh"], r["policy"]) for r in second["runs"]]
