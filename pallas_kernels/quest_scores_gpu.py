@@ -64,12 +64,12 @@ def quest_scores_gpu(
     group = num_q_heads // num_kv_heads
     compiler_params = triton_compiler_params()
     if compiler_params is None and not interpret:
-        from .quest_scores import _quest_page_scores_xla
+        from .quest_scores_xla import quest_page_scores_xla
         from ._validation import check_score_inputs
 
         warnings.warn("this JAX has no Pallas Triton backend; pallas_gpu falls back to the XLA path")
         dims = check_score_inputs(q, kmin, kmax, page_table, lengths)
-        return _quest_page_scores_xla(q, kmin, kmax, page_table, lengths, page_size=page_size, dims=dims)
+        return quest_page_scores_xla(q, kmin, kmax, page_table, lengths, page_size=page_size, dims=dims)
     if head_dim & (head_dim - 1):
         raise ValueError(f"pallas_gpu needs a power-of-two head_dim (Triton blocks), got {head_dim}")
     if pages_per_block is None:

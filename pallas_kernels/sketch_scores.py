@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from ._backend import default_backend_for, resolve_backend, resolve_interpret
 from ._quant import page_values
-from .quest_scores import _finish_scores, scoreable_pages
+from .quest_scores_xla import finish_scores, scoreable_pages
 
 __all__ = ["CODE_KINDS", "pack_int4", "sketch_page_scores", "sketch_page_scores_reference", "unpack_int4"]
 
@@ -69,7 +69,7 @@ def sketch_page_scores_reference(q, codes, page_table, lengths, *, page_size: in
     scores = slot_scores(q.reshape(B, KVH, Hq // KVH, -1), rows, codes_kind)  # [B, KVH, G, P*ps]
     scores = scores.reshape(B, KVH, Hq // KVH, P, page_size).max(axis=-1)
     valid = scoreable_pages(lengths, P, page_size)[:, :, None]
-    return _finish_scores(jnp.where(valid, scores, -jnp.inf), per_kv_head)
+    return finish_scores(jnp.where(valid, scores, -jnp.inf), per_kv_head)
 
 
 def sketch_page_scores(
@@ -105,4 +105,4 @@ def sketch_page_scores(
         from .sketch_scores_gpu import sketch_scores_gpu as kernel
     scores = kernel(q, codes, page_table, lengths, page_size=page_size, codes_kind=codes_kind,
                     interpret=resolve_interpret(backend, interpret))
-    return _finish_scores(scores, per_kv_head)
+    return finish_scores(scores, per_kv_head)
