@@ -76,6 +76,12 @@ def _kernel_entry(plgpu, body, out_type, scratch, **kwargs):
     return plgpu.kernel(body, **{out_key: out_type, scratch_key: scratch}, **kwargs)
 
 
+def _barrier(barriers, index):
+    """One barrier of an allocation: JAX 0.10 gives `Barrier(num_barriers=1)` a shape of (1,), JAX 0.11 and
+    later a scalar ref, which `.at[0]` no longer indexes."""
+    return barriers.at[index] if barriers.shape else barriers
+
+
 def _decode_body(
     q_ref, physical_ref, counts_ref, blocks_ref, k_ref, v_ref,  # inputs, GMEM
     acc_ref, stats_ref,  # outputs, GMEM
@@ -98,11 +104,11 @@ def _decode_body(
     row, split = lax.axis_index("row"), lax.axis_index("split")
     pages_per_block = BLOCK_SLOTS // page_size
     head_dim = q_smem.shape[-1]
-    plgpu.copy_gmem_to_smem(q_ref.at[row], q_smem, in_barrier.at[0])
-    plgpu.copy_gmem_to_smem(physical_ref.at[split, row], physical_smem, in_barrier.at[0])
-    plgpu.copy_gmem_to_smem(counts_ref.at[split, row], counts_smem, in_barrier.at[0])
-    plgpu.copy_gmem_to_smem(blocks_ref.at[split, row], blocks_smem, in_barrier.at[0])
-    plgpu.barrier_wait(in_barrier.at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[row], q_smem, _barrier(in_barrier, 0))
+    plgpu.copy_gmem_to_smem(physical_ref.at[split, row], physical_smem, _barrier(in_barrier, 0))
+    plgpu.copy_gmem_to_smem(counts_ref.at[split, row], counts_smem, _barrier(in_barrier, 0))
+    plgpu.copy_gmem_to_smem(blocks_ref.at[split, row], blocks_smem, _barrier(in_barrier, 0))
+    plgpu.barrier_wait(_barrier(in_barrier, 0))
     num_blocks = blocks_smem[0]
 
     def fetch(block, buffer):
@@ -111,8 +117,8 @@ def _decode_body(
         for j in range(pages_per_block):
             page = physical_smem[block * pages_per_block + j]
             rows = pl.ds(j * page_size, page_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[page], k_smem.at[buffer, rows], kv_barrier.at[buffer])
-            plgpu.copy_gmem_to_smem(v_ref.at[page], v_smem.at[buffer, rows], kv_barrier.at[buffer])
+            plgpu.copy_gmem_to_smem(k_ref.at[page], k_smem.at[buffer, rows], _barrier(kv_barrier, buffer))
+            plgpu.copy_gmem_to_smem(v_ref.at[page], v_smem.at[buffer, rows], _barrier(kv_barrier, buffer))
 
     @pl.when(num_blocks > 0)
     def _():
@@ -131,7 +137,7 @@ def _decode_body(
             def _():
                 fetch(block + 1, 1 - buffer)
 
-        plgpu.barrier_wait(kv_barrier.at[buffer])
+        plgpu.barrier_wait(_barrier(kv_barrier, buffer))
         k = load(k_smem.at[buffer], block_layout).astype(jnp.float32)  # [64, D]
         v = load(v_smem.at[buffer], block_layout).astype(jnp.float32)
         valid = slot < 0
