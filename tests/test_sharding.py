@@ -24,6 +24,7 @@ ALL_POLICIES = ["full", "quest", "streaming", "h2o", "tova", "snapkv", "ada_snap
 
 RESULTS_ARGS = ("--generate", GENERATE, "--train", "8x1", "--indivisible")
 MATRIX_ARGS = ("--matrix", "1x2")
+UNSHARDED = {"loki", "key_int4"}  # selectors whose key sketch the mesh does not place yet
 # Worker runs conftest.py starts in the background as soon as tests of this module are collected: each is a
 # separate process that mostly compiles (one core), so they overlap with the rest of the suite.
 BACKGROUND_RUNS = (RESULTS_ARGS, MATRIX_ARGS)
@@ -135,6 +136,9 @@ def test_policy_matrix_on_a_two_device_mesh(matrix_results, case_id):
     """Every matrix case on a 1x2 mesh (kv heads split over 2 devices), ragged batch of 2: the same tokens,
     logits and kept positions as on one device, and one decode program."""
     run = matrix_results[case_id]
+    if case_id in UNSHARDED:  # refused by name until the mesh places their key sketch per shard
+        assert run.get("error", "").startswith("NotImplementedError: policy") and "key sketch" in run["error"], run
+        return
     assert "error" not in run, run.get("error")
     _check_generation(run)
 
