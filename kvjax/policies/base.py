@@ -221,7 +221,7 @@ def take_roles(**parts: tuple[str, ...]) -> Callable[[type], type]:
     def forward(part: str, member: str):
         if not callable(getattr(Policy, member)) or isinstance(getattr(Policy, member), property):
             return property(lambda self: getattr(getattr(self, part), member))  # a property or a class constant
-        return lambda self, *args: getattr(getattr(self, part), member)(*args)
+        return lambda self, *args, **kwargs: getattr(getattr(self, part), member)(*args, **kwargs)
 
     def wrap(cls: type) -> type:
         for part, roles in parts.items():
