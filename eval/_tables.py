@@ -228,3 +228,44 @@ def locret_quality(payload: dict) -> str:
     return (markdown_table(["policy", *[f"budget {b}" for b in budgets]], rows) +
             f"\n{s['samples']} samples, {s['length']}-token prompts, {s['records']} records, dense_layers="
             f"{s['dense_layers']}; Locret: {payload['locret_options']}. {load_line(payload)}\n")
+
+
+def _recorded_load(payload: dict) -> str:
+    """The load line where the run recorded its load; nothing where it did not."""
+    line = load_line(payload)
+    return "" if line.startswith("Load: not recorded") else f"\n{line}\n"
+
+
+def _sweep_block(task: str, length: int):
+    """A renderer of one (task, length) block of a sweep JSON: `eval.sweep.accuracy_table`'s block, with the
+    policies that ran there (a sweep's JSON holds several tasks and lengths; the docs discuss each apart)."""
+
+    def render(result: dict) -> str:
+        from .sweep import accuracy_table
+
+        ran = {r["policy"] for r in result["accuracy"] if (r["task"], r["length"]) == (task, length)}
+        one = {**result, "tasks": [task], "lengths": [length], "latency": None,
+               "policies": [p for p in result["policies"] if p in ran]}
+        return accuracy_table(one) + "\n" + _recorded_load(result)
+
+    render.__doc__ = f"`eval.sweep`: accuracy of every policy and budget on {task} at {length} tokens."
+    return render
+
+
+sweep_passkey_2k = _sweep_block("real_passkey", 2048)
+sweep_needle_2k = _sweep_block("niah_single", 2048)
+sweep_passkey_4k = _sweep_block("real_passkey", 4096)
+sweep_needle_4k = _sweep_block("niah_single", 4096)
+sweep_passkey_8k = _sweep_block("real_passkey", 8000)
+sweep_needle_8k = _sweep_block("niah_single", 8000)
+sweep_multikey_2k = _sweep_block("niah_multikey", 2048)
+sweep_multikey_4k = _sweep_block("niah_multikey", 4096)
+sweep_multivalue_2k = _sweep_block("niah_multivalue", 2048)
+sweep_multivalue_4k = _sweep_block("niah_multivalue", 4096)
+
+
+def depths_passkey_4k(payload: dict) -> str:
+    """`python -m eval.depths`: accuracy by needle depth, the passkey at 4K."""
+    from .depths import depth_table
+
+    return depth_table(payload, "real_passkey", 4096) + "\n" + _recorded_load(payload)

@@ -55,18 +55,26 @@ def binned(pairs, bins: int) -> list[float | None]:
     return out
 
 
-def depth_tables(found: dict, policies, bins: int, budget) -> str:
+def depth_block(task: str, length: int, budget, bins: int, rows) -> str:
+    """One (task, length) table; `rows` are (policy, accuracy per depth bin, samples)."""
     labels = [f"{lo:.1f}-{hi:.1f}" for lo, hi in zip(np.linspace(0, 1, bins + 1)[:-1], np.linspace(0, 1, bins + 1)[1:])]
-    blocks = []
-    for (task, length), cells in found.items():
-        rows = []
-        for policy in policies:
-            if policy in cells:
-                rows.append([policy] + ["" if a is None else f"{100 * a:.0f}%" for a in binned(cells[policy], bins)]
-                            + [len(cells[policy])])
-        blocks.append(f"**{task}**, {length} tokens, budget {budget} (accuracy by needle depth)\n\n"
-                      + markdown_table(["policy"] + [f"depth {x}" for x in labels] + ["samples"], rows))
-    return "\n".join(blocks)
+    body = [[policy] + ["" if a is None else f"{100 * a:.0f}%" for a in by_depth] + [samples]
+            for policy, by_depth, samples in rows]
+    return (f"**{task}**, {length} tokens, budget {budget} (accuracy by needle depth)\n\n"
+            + markdown_table(["policy"] + [f"depth {x}" for x in labels] + ["samples"], body))
+
+
+def depth_tables(found: dict, policies, bins: int, budget) -> str:
+    return "\n".join(depth_block(task, length, budget, bins,
+                                 [(p, binned(cells[p], bins), len(cells[p])) for p in policies if p in cells])
+                     for (task, length), cells in found.items())
+
+
+def depth_table(payload: dict, task: str, length: int) -> str:
+    """The (task, length) table of `depth_tables`, from the JSON `main` writes (its rows in the JSON's order)."""
+    rows = [(r["policy"], r["by_depth"], r["samples"]) for r in payload["accuracy_by_depth"]
+            if (r["task"], r["length"]) == (task, length)]
+    return depth_block(task, length, payload["budget"], payload["bins"], rows)
 
 
 def plot(found: dict, policies, bins: int, budget, path: str) -> str:
