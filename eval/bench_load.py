@@ -154,6 +154,23 @@ def run_sequential(model, trace, args) -> dict:
     return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall}
 
 
+def interleave_table(payloads: list) -> str:
+    """Runs that differ only in `--prefill-chunks-per-step`, a row each: what spreading a prefill over
+    dispatches trades (throughput and first-token time against steadier inter-token latency)."""
+    from ._tables import load_line
+
+    rows = []
+    for p in payloads:
+        s = p["server"]
+        rows.append([p["prefill_chunks_per_step"] or "whole prompts first", p["chunk_size"],
+                     f"{s['tokens_per_s']:.3g}",
+                     f"{s['ttft_s']['p50']:.1f} / {s['ttft_s']['p99']:.1f}",
+                     f"{1e3 * s['itl_s']['p50']:.0f} / {1e3 * s['itl_s']['p99']:.0f}"])
+    loads = sorted({load_line(p) for p in payloads})
+    return (markdown_table(["prefill chunks per dispatch", "chunk", "tok/s served", "TTFT p50 / p99 s",
+                            "ITL p50 / p99 ms"], rows) + "\n" + " ".join(loads) + "\n")
+
+
 def plot(payload: dict, path: str) -> None:
     import matplotlib
 

@@ -229,6 +229,31 @@ def accuracy_table(result: dict) -> str:
     return "\n".join(out)
 
 
+def headline_table(result: dict, quest: str = "quest:dense_layers=2") -> str:
+    """The README's digest of a sweep: per (length, task), full attention, Quest at every budget, and the
+    best evictor at the largest budget (any policy that is neither full nor a Quest variant), named."""
+    budgets = result["budgets"]
+    evictors = [p for p in result["policies"] if p != "full" and "quest" not in p]
+
+    def acc(task, n, policy, budget):
+        r = [r for r in result["accuracy"] if (r["task"], r["length"], r["policy"], r["budget"]) == (task, n, policy, budget)]
+        return (r[0]["accuracy"], r[0]["samples"]) if r else (None, 0)
+
+    rows = []
+    for n in result["lengths"]:
+        for task in result["tasks"]:
+            full, samples = acc(task, n, "full", None)
+            if full is None:
+                continue
+            best = max(((acc(task, n, p, budgets[-1])[0] or 0.0, p) for p in evictors), default=(None, ""))
+            rows.append([n, task, samples, f"{100 * full:.0f}%"]
+                        + [f"{100 * a:.0f}%" if (a := acc(task, n, quest, b)[0]) is not None else "" for b in budgets]
+                        + ([f"{100 * best[0]:.0f}% ({best[1].split(':')[0]})"] if evictors else []))
+    headers = (["context", "task", "samples", "full"] + [f"Quest {b}" for b in budgets]
+               + ([f"best evictor at {budgets[-1]}"] if evictors else []))
+    return markdown_table(headers, rows)
+
+
 def plot(result: dict, path: str) -> str:
     import matplotlib
 
