@@ -269,3 +269,10 @@ def depths_passkey_4k(payload: dict) -> str:
     from .depths import depth_table
 
     return depth_table(payload, "real_passkey", 4096) + "\n" + _recorded_load(payload)
+
+
+def selection_trace(payload: dict) -> str:
+    """`python -m eval.trace_selection`: the program's table of each traced sample, with the run's load."""
+    from .trace_selection import trace_table
+
+    return "\n".join(trace_table(r) for r in payload["results"]) + "\n" + _recorded_load(payload)

@@ -131,17 +131,18 @@ def trace_table(result: dict) -> str:
         G = mass.shape[1] // share.shape[1]
         head_mass = mass.reshape(mass.shape[0], share.shape[1], G).sum(-1)  # [L, H]
         weighted = float((share * head_mass).sum() / head_mass.sum())
-        value = np.asarray(r["value_kept_share"])
+        # a trace from before the value's tokens were recorded (`value_kept_share`) has no such column
+        value = [f"{100 * np.mean(r['value_kept_share']):.0f}%"] if "value_kept_share" in r else []
         rows.append([name, f"{r['score']:.2f}", repr(r["answer_text"][:40]), f"{100 * share.mean():.0f}%",
-                     f"{100 * weighted:.0f}%", f"{100 * value.mean():.0f}%",
-                     " ".join(f"{100 * share[l].mean():.0f}" for l in top)])
+                     f"{100 * weighted:.0f}%", *value, " ".join(f"{100 * share[l].mean():.0f}" for l in top)])
     setting = ", question prefilled with the context" if result.get("question_in_prefill") else ""
     head = (f"Needle trace: {result['task']}, {result['length']} tokens{setting}, sample {result['sample']} (depth "
             f"{result['depth']:.2f}, answer {result['answer']}), budget {result['budget']}. Layers where the question's "
             f"last token puts the most mass on the needle: {', '.join(f'{l} ({per_layer[l]:.2f})' for l in top)}\n\n")
+    with_value = ["value tokens kept"] if all("value_kept_share" in r for r in result["policies"].values()) else []
     return head + markdown_table(
         ["policy", "score", "answer", "needle kept (all heads)", "kept, weighted by needle mass",
-         "value tokens kept", "kept % in the top layers"], rows)
+         *with_value, "kept % in the top layers"], rows)
 
 
 def plot(result: dict, path: str) -> str:
