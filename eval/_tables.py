@@ -276,3 +276,22 @@ def selection_trace(payload: dict) -> str:
     from .trace_selection import trace_table
 
     return "\n".join(trace_table(r) for r in payload["results"]) + "\n" + _recorded_load(payload)
+
+
+def attention_stages(payload: dict, model: str = "Llama-2-7B", context: int = 32768, budget: int = 2048) -> str:
+    """`kvjax bench attention --components`: Quest's stages (page scores, top-k, sparse decode), each timed
+    alone, at one model, context and budget (per query head), against the whole pipeline as one program."""
+    row = next(r for r in payload["rows"] if (r["model"], r["context"]) == (model, context))
+    q = next(q for q in row["quest"] if (q["budget"], q["selection"], q["formulation"]) == (budget, "query_head", None))
+    c = q["components"]
+    mib = lambda stage: f"{c[f'{stage}_gbps'] * c[f'{stage}_s'] * 1e9 / 2 ** 20:.0f} MiB"  # noqa: E731
+    rows = [["page scores", f"kmin + kmax of every used page ({mib('scores')})", f"{1e3 * c['scores_s']:.2f}",
+             f"{c['scores_gbps']:.1f}"],
+            ["top-k", "the scores (`lax.top_k`)", f"{1e3 * c['top_k_s']:.2f}", "-"],
+            ["sparse decode", f"K+V of the chosen pages ({mib('sparse_decode')})", f"{1e3 * c['sparse_decode_s']:.2f}",
+             f"{c['sparse_decode_gbps']:.1f}"],
+            [f"sum (the whole pipeline as one program: {1e3 * q['median_s']:.2f})", "",
+             f"{1e3 * (c['scores_s'] + c['top_k_s'] + c['sparse_decode_s']):.2f}", ""]]
+    load = {"load_before": payload.get("load_start"), "load_after": payload.get("load_end")}
+    return (markdown_table(["stage", "reads", "ms", "GB/s"], rows) +
+            f"\n{model}, {context // 1024}K, budget {budget}. {load_line(load)}\n")
