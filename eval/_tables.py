@@ -295,3 +295,27 @@ def attention_stages(payload: dict, model: str = "Llama-2-7B", context: int = 32
     load = {"load_before": payload.get("load_start"), "load_after": payload.get("load_end")}
     return (markdown_table(["stage", "reads", "ms", "GB/s"], rows) +
             f"\n{model}, {context // 1024}K, budget {budget}. {load_line(load)}\n")
+
+
+def retired_engine(payload: dict) -> str:
+    """The retired Jenga engine's half of `bench_serving` (commit 859d3ca and earlier): Jenga against uniform
+    paging serving one trace, each figure also as a multiple of uniform's."""
+    runs = payload["engine"]["runs"]
+    base = next(r for r in runs if r["paging"] == "uniform")
+
+    def of_base(r, value, fmt):
+        return f"{value(r):{fmt}} ({value(r) / value(base):.2f}x)"
+
+    per_step = lambda r: r["generated_tokens"] / r["steps"]  # noqa: E731
+    rows = [[r["paging"], f"{r['pool_bytes'] / 2 ** 10:g} KiB", f"{r['large_page_bytes'] / 2 ** 10:g} KiB",
+             f"{100 * r['waste_fraction']:.2f}", f"{100 * r['waste_fraction_of_in_use']:.2f}",
+             of_base(r, lambda x: x["peak_running"], "d"), f"{r['mean_running']:.1f}", r["steps"],
+             of_base(r, per_step, ".2f"), f"{r['computed_tokens_per_step']:.1f}",
+             of_base(r, lambda x: x["generated_tokens_per_s"], ".1f"),
+             of_base(r, lambda x: x["generated_tokens_per_cpu_s"], ".1f"),
+             f"{100 * r['prefix_hit_rate']:.1f}", r["preemptions"]] for r in runs]
+    headers = ["paging", "pool", "large page", "waste % held", "waste % in use", "max running (x uniform)",
+               "mean running", "steps", "generated tokens per step (x uniform)", "computed tokens per step",
+               "generated tok/s (x uniform)", "generated tok per CPU-s (x uniform)", "prefix hit %", "preemptions"]
+    return (markdown_table(headers, rows) + f"\nSame tokens from both layouts: {payload['engine']['identical_outputs']}. "
+            f"{load_line(payload)}\n")
