@@ -202,7 +202,8 @@ def attention(payload: dict) -> str:
 def cacheclip(payload: dict) -> str:
     """`python -m eval.bench_cacheclip`: accuracy per request set, recompute ratio and prefill time per method
     (the program's own table, from its JSON)."""
-    sets, setup, m = payload["setup"]["sets"], payload["setup"], payload["machine"]
+    setup, m = payload["setup"], payload["machine"]
+    sets = setup.get("sets", ["straddling", "within-chunk"])  # runs from before `sets` was recorded ran these two
     rows = [[name, f"{e['recompute_ratio']:.0%}" if e["ratio"] is not None or name == "full" else "0%",
              *(f"{e[f'accuracy_{s}']:.2f}" for s in sets),
              "" if e["straddler_recall"] is None else f"{e['straddler_recall']:.2f}",
@@ -319,3 +320,55 @@ def retired_engine(payload: dict) -> str:
                "generated tok/s (x uniform)", "generated tok per CPU-s (x uniform)", "prefix hit %", "preemptions"]
     return (markdown_table(headers, rows) + f"\nSame tokens from both layouts: {payload['engine']['identical_outputs']}. "
             f"{load_line(payload)}\n")
+
+
+_CACHECLIP_LABELS = {"cacheblend": "CacheBlend", "cacheclip": "CacheClip, untuned, reused context",
+                     "cacheclip-untuned-full": "CacheClip, untuned, full context",
+                     "cacheclip-tuned": "CacheClip, tuned (full context)",
+                     "cacheclip-nogroup": "CacheClip, untuned, no window grouping",
+                     "cacheclip-tuned-nogroup": "CacheClip, tuned, no window grouping"}
+
+
+def _cacheclip_methods(payload: dict) -> dict:
+    """{method name before "@": {ratio: result}} of a `bench_cacheclip` JSON, for the selecting methods."""
+    out = {}
+    for key, e in payload["results"].items():
+        name, _, ratio = key.partition("@")
+        if ratio and name in _CACHECLIP_LABELS:
+            out.setdefault(name, {})[float(ratio)] = e
+    return out
+
+
+def _cacheclip_note(payload: dict) -> str:
+    full = payload["results"]["full"]
+    return (f"\nStraddling set, full attention {full['accuracy_straddling']:.2f}; "
+            f"{payload['setup']['samples_per_set']} prompts a set. {load_line(payload)}\n")
+
+
+def cacheclip_by_ratio(payload: dict) -> str:
+    """`python -m eval.bench_cacheclip --tuned-aux ...`: accuracy on the straddling set of each selecting method
+    at each share recomputed, and its straddler recall at 20%."""
+    methods = _cacheclip_methods(payload)
+    ratios = sorted({r for by in methods.values() for r in by})
+    cell = lambda by, r, k: "" if r not in by or by[r][k] is None else f"{by[r][k]:.2f}"  # noqa: E731
+    rows = [[_CACHECLIP_LABELS[n], *[cell(by, r, "accuracy_straddling") for r in ratios],
+             cell(by, 0.2, "straddler_recall")] for n, by in methods.items()]
+    return (markdown_table(["method", *[f"{r:.0%}" for r in ratios], "straddler recall at 20%"], rows)
+            + _cacheclip_note(payload))
+
+
+def cacheclip_at_20(payload: dict) -> str:
+    """`python -m eval.bench_cacheclip --tuned-aux ...`: each selecting method at 20% recomputed, both sets."""
+    rows = [[_CACHECLIP_LABELS[n], *[f"{by[0.2][k]:.2f}" for k in ("accuracy_straddling", "accuracy_within-chunk",
+                                                                   "straddler_recall")]]
+            for n, by in _cacheclip_methods(payload).items() if 0.2 in by]
+    return (markdown_table(["method at 20% recomputed", "acc straddling", "acc within-chunk", "straddler recall"], rows)
+            + _cacheclip_note(payload))
+
+
+def aux_recall(payload: dict) -> str:
+    """`kvjax train cacheclip-aux`'s summary: the auxiliary model's recall on held-out requests before and after
+    tuning, at the training's share recomputed."""
+    rows = [[label, f"{payload[key]['selection_recall']:.2f}", f"{payload[key]['straddler_recall']:.2f}"]
+            for label, key in (("before tuning", "recall_before"), ("after tuning", "recall_after"))]
+    return markdown_table(["", "selection recall", "straddler recall"], rows) + "\n" + _recorded_load(payload)
