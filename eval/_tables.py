@@ -372,3 +372,13 @@ def aux_recall(payload: dict) -> str:
     rows = [[label, f"{payload[key]['selection_recall']:.2f}", f"{payload[key]['straddler_recall']:.2f}"]
             for label, key in (("before tuning", "recall_before"), ("after tuning", "recall_after"))]
     return markdown_table(["", "selection recall", "straddler recall"], rows) + "\n" + _recorded_load(payload)
+
+
+def suite_times(payload: dict) -> str:
+    """`kvjax bench suite`'s `run.json`: each member's status and wall time in that run, with its preset."""
+    rows = [[f"`{name}`", m["status"], "" if m.get("wall_s") is None else f"{m['wall_s']:.1f}"]
+            for name, m in payload["members"].items()]
+    load = {"load_before": payload["load"]["start"], "load_after": payload["load"]["end"]}
+    return (markdown_table(["member", "status", "wall s"], rows) +
+            f"\n{payload['label']}: the `{payload['settings']['preset']}` preset, {payload['wall_s']:.0f} s in all on "
+            f"{payload['device'].get('cpu_model', '')}, {payload['device']['cpu_count']} cores. {load_line(load)}\n")
