@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-torch = pytest.importorskip("torch", reason="compares with transformers, which runs on torch (the dev extra)")
 
 import kvjax
 from conftest import random_tokens
@@ -13,12 +12,25 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def llama(hf_models):
+    """A random HF Llama (GQA, llama3 RoPE) and kvjax's load of it; skips without torch."""
     hf, path = hf_models("llama_gqa_llama3")
     return hf, kvjax.load_model(path)
 
 
-def test_chunked_prefill_then_decode_matches_dense(llama):
-    _, model = llama
+@pytest.fixture(scope="module", params=["tiny", "llama_gqa_llama3"])
+def model(request):
+    """The cache checks run on the shipped model (no torch needed) and on the random HF Llama."""
+    if request.param == "tiny":
+        return kvjax.load_model("tiny")
+    return request.getfixturevalue("llama")[1]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return kvjax.load_model("tiny")
+
+
+def test_chunked_prefill_then_decode_matches_dense(model):
     tokens = random_tokens(10, (2, 70))
     dense = np.asarray(kvjax.forward_logits(model, tokens))
     # chunk 16 over a 50-token prompt: 4 chunks, the last one padded; page size 16 puts pages across chunks
@@ -30,17 +42,19 @@ def test_chunked_prefill_then_decode_matches_dense(llama):
     assert np.asarray(state.lengths).min() == 70 and np.asarray(state.next_position).tolist() == [70, 70]
 
 
-def test_ragged_prefill_matches_each_sequence_alone(llama):
-    _, model = llama
+def test_ragged_prefill_matches_each_sequence_alone(model):
     a, b = random_tokens(11, (37,)), random_tokens(12, (58,))
     state, last = kvjax.prefill(model, [a.tolist(), b.tolist()], chunk_size=16, page_size=8)
     np.testing.assert_allclose(np.asarray(last[0]), np.asarray(kvjax.forward_logits(model, a[None]))[0, -1], atol=TOL)
     np.testing.assert_allclose(np.asarray(last[1]), np.asarray(kvjax.forward_logits(model, b[None]))[0, -1], atol=TOL)
-    assert np.asarray(state.lengths)[:, 0].tolist() == [[37, 37]] * 2
-    assert np.asarray(state.lengths)[:, 1].tolist() == [[58, 58]] * 2
+    lengths = np.asarray(state.lengths)                                      # [L, B, H]
+    assert lengths.shape[0] == model.cfg.num_layers
+    assert (lengths[:, 0] == 37).all() and (lengths[:, 1] == 58).all()
 
 
 def _hf_greedy(hf, prompt, steps):
+    import torch
+
     with torch.no_grad():
         out = hf.generate(
             torch.tensor(prompt[None], dtype=torch.long), max_new_tokens=steps, do_sample=False,
@@ -72,8 +86,8 @@ def test_greedy_tokens_match_transformers_generate(llama):
     assert compared >= 48, f"only {compared} tokens compared"
 
 
-def test_decode_does_not_recompile(llama):
-    _, model = llama
+def test_decode_does_not_recompile(tiny):
+    model = tiny
     prompt = random_tokens(30, (2, 20))
     with count_compiles() as first:
         kvjax.generate(model, prompt, max_new_tokens=3)
@@ -84,8 +98,8 @@ def test_decode_does_not_recompile(llama):
     assert again.of("append_step") == 0, f"decode recompiled: {again}"
 
 
-def test_decode_last_feeds_the_tail_as_decode_steps(llama):
-    _, model = llama
+def test_decode_last_feeds_the_tail_as_decode_steps(tiny):
+    model = tiny
     prompt = random_tokens(40, (2, 30))
     plain, lp_plain = kvjax.generate(model, prompt, max_new_tokens=6, return_logprobs=True)
     tail, lp_tail = kvjax.generate(model, prompt, max_new_tokens=6, decode_last=5, return_logprobs=True)
@@ -94,8 +108,8 @@ def test_decode_last_feeds_the_tail_as_decode_steps(llama):
     assert np.all(lp_plain <= 0)
 
 
-def test_eos_stops_and_fills_minus_one(llama):
-    _, model = llama
+def test_eos_stops_and_fills_minus_one(tiny):
+    model = tiny
     prompt = random_tokens(50, (2, 12))
     free = kvjax.generate(model, prompt, max_new_tokens=10)
     eos = int(free[0, 3])
@@ -109,8 +123,8 @@ def test_eos_stops_and_fills_minus_one(llama):
     assert np.all(out[1, end:] == -1)
 
 
-def test_sampling_is_seeded_and_top_k_one_is_greedy(llama):
-    _, model = llama
+def test_sampling_is_seeded_and_top_k_one_is_greedy(tiny):
+    model = tiny
     prompt = random_tokens(60, (2, 16))
     a = kvjax.generate(model, prompt, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
     b = kvjax.generate(model, prompt, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
@@ -135,9 +149,8 @@ def test_top_p_keeps_only_the_nucleus():
     assert seen == {0, 1}
 
 
-def test_prefill_over_several_page_blocks_matches_dense(llama):
+def test_prefill_over_several_page_blocks_matches_dense(model):
     """Small pages put the prompt in several 32-page blocks of the blocked prefill attention."""
-    _, model = llama
     tokens = random_tokens(13, (2, 230))
     dense = np.asarray(kvjax.forward_logits(model, tokens))
     state, last = kvjax.prefill(model, [tokens[0, :230].tolist(), tokens[1, :170].tolist()], chunk_size=64,

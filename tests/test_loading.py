@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-torch = pytest.importorskip("torch", reason="compares with transformers, which runs on torch (the dev extra)")
 
 import kvjax
 from conftest import random_tokens
@@ -17,7 +16,13 @@ from kvjax.models.hub import shipped_model_dir
 from kvjax.models.convert import params_to_hf
 
 
+def _torch():
+    """torch for the tests that compare with transformers (the dev extra); the rest run without it."""
+    return pytest.importorskip("torch", reason="compares with transformers, which runs on torch (the dev extra)")
+
+
 def test_sharded_checkpoint_with_index(hf_models, tmp_path):
+    torch = _torch()
     hf, _ = hf_models("llama_gqa_llama3")
     hf.save_pretrained(tmp_path, max_shard_size="40KB")
     assert os.path.isfile(tmp_path / "model.safetensors.index.json")
@@ -53,8 +58,8 @@ def _rewrite_tensors(target, edit):
     save_file(tensors, file)
 
 
-def test_missing_and_unexpected_tensors_are_named(hf_models, tmp_path):
-    target = _copy(hf_models("llama_gqa_llama3")[1], tmp_path)
+def test_missing_and_unexpected_tensors_are_named(tmp_path):
+    target = _copy(shipped_model_dir(), tmp_path)
 
     def edit(t):
         del t["model.layers.1.mlp.up_proj.weight"]
@@ -67,17 +72,17 @@ def test_missing_and_unexpected_tensors_are_named(hf_models, tmp_path):
     assert "unexpected tensors: model.layers.1.mlp.extra.weight" in str(info.value)
 
 
-def test_shape_mismatch_names_both_shapes(hf_models, tmp_path):
-    target = _copy(hf_models("llama_gqa_llama3")[1], tmp_path)
+def test_shape_mismatch_names_both_shapes(tmp_path):
+    target = _copy(shipped_model_dir(), tmp_path)
     config = json.loads((target / "config.json").read_text())
-    config["intermediate_size"] = 128
+    config["intermediate_size"] = 320
     (target / "config.json").write_text(json.dumps(config))
-    with pytest.raises(kvjax.CheckpointError, match=r"mlp.up_proj.weight: checkpoint has \(96, 64\), config implies \(128, 64\)"):
+    with pytest.raises(kvjax.CheckpointError, match=r"mlp.up_proj.weight: checkpoint has \(512, 128\), config implies \(320, 128\)"):
         kvjax.load_model(target)
 
 
-def test_unknown_model_type_and_missing_dir(hf_models, tmp_path):
-    target = _copy(hf_models("llama_gqa_llama3")[1], tmp_path)
+def test_unknown_model_type_and_missing_dir(tmp_path):
+    target = _copy(shipped_model_dir(), tmp_path)
     config = json.loads((target / "config.json").read_text())
     config["model_type"] = "gpt2"
     (target / "config.json").write_text(json.dumps(config))
@@ -98,6 +103,7 @@ def test_config_reads_transformers_4_spelling():
 
 
 def test_shipped_model_matches_transformers():
+    torch = _torch()
     from transformers import LlamaForCausalLM
 
     path = shipped_model_dir()
