@@ -106,54 +106,11 @@ def sparse_paged_decode(
     Returns:
       out [B, Hq, D] in q's dtype (and row max, row sum f32[B, Hq] with `return_stats`).
     """
-    if backend is None:
-        backend = default_backend_for(
-            sparse_paged_decode,
-            dict(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, selected=selected, lengths=lengths,
-                 k_scale=k_scale, v_scale=v_scale),
-            dict(sm_scale=sm_scale, return_stats=return_stats, pages_per_block=pages_per_block, num_splits=num_splits,
-                 formulation=formulation, row_groups=row_groups),
-            interpret,
-        )
-    backend = resolve_backend(backend)
-    k_pages, v_pages = _pool_for(backend, k_pages, v_pages)
-    if backend == "reference":
-        return sparse_paged_decode_reference(
-            q, k_pages, v_pages, page_table, selected, lengths, sm_scale=sm_scale, return_stats=return_stats,
-            k_scale=k_scale, v_scale=v_scale,
-        )
-    dims = check_decode_inputs(
-        q, k_pages, v_pages, page_table, lengths, selected, strict_page_size=backend != "xla", k_scale=k_scale,
-        v_scale=v_scale,
+    return _decode(
+        sparse_paged_decode, q, k_pages, v_pages, page_table, lengths, selected, sm_scale=sm_scale,
+        return_stats=return_stats, backend=backend, interpret=interpret, pages_per_block=pages_per_block,
+        num_splits=num_splits, formulation=formulation, k_scale=k_scale, v_scale=v_scale, row_groups=row_groups,
     )
-    sm_scale = resolve_sm_scale(sm_scale, dims.head_dim)
-    selected = _pages.normalize_selection(selected, lengths, dims.page_size)
-    if backend == "pallas_tpu":
-        from .decode_tpu import decode_tpu
-
-        out, row_max, row_sum = decode_tpu(
-            q,
-            k_pages,
-            v_pages,
-            page_table,
-            lengths,
-            selected,
-            sm_scale=sm_scale,
-            interpret=resolve_interpret(backend, interpret),
-            pages_per_block=pages_per_block,
-            num_splits=num_splits,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
-    else:
-        logical, counts = _pages.sparse_read_list(selected, lengths, dims.page_size)
-        physical = _pages.physical_pages(page_table, logical, dims.num_pages)
-        out, row_max, row_sum = _attend_read_list(
-            backend, q, k_pages, v_pages, physical, counts, sm_scale=sm_scale, interpret=interpret,
-            pages_per_block=pages_per_block, num_splits=num_splits, formulation=formulation, k_scale=k_scale,
-            v_scale=v_scale, row_groups=row_groups,
-        )
-    return _finish(q, out, row_max, row_sum, return_stats)
 
 
 def _pool_for(backend: str, k_pages, v_pages):
@@ -186,45 +143,52 @@ def paged_decode(
 
     Equal to `sparse_paged_decode` with every page selected. Arguments and results as there.
     """
+    return _decode(
+        paged_decode, q, k_pages, v_pages, page_table, lengths, None, sm_scale=sm_scale,
+        return_stats=return_stats, backend=backend, interpret=interpret, pages_per_block=pages_per_block,
+        num_splits=num_splits, formulation=formulation, k_scale=k_scale, v_scale=v_scale, row_groups=row_groups,
+    )
+
+
+def _decode(entry, q, k_pages, v_pages, page_table, lengths, selected, *, sm_scale, return_stats, backend,
+            interpret, pages_per_block, num_splits, formulation, k_scale, v_scale, row_groups):
+    """The one body of both entry points: `selected` None reads every page (`paged_decode`), else the
+    selected pages plus the current one (`sparse_paged_decode`, the entry whose compile is probed)."""
+    options = dict(sm_scale=sm_scale, return_stats=return_stats, pages_per_block=pages_per_block,
+                   num_splits=num_splits, formulation=formulation, row_groups=row_groups)
     if backend is None:
-        backend = default_backend_for(
-            paged_decode,
-            dict(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, lengths=lengths, k_scale=k_scale,
-                 v_scale=v_scale),
-            dict(sm_scale=sm_scale, return_stats=return_stats, pages_per_block=pages_per_block, num_splits=num_splits,
-                 formulation=formulation, row_groups=row_groups),
-            interpret,
-        )
+        arrays = dict(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, lengths=lengths,
+                      k_scale=k_scale, v_scale=v_scale)
+        if selected is not None:
+            arrays["selected"] = selected
+        backend = default_backend_for(entry, arrays, options, interpret)
     backend = resolve_backend(backend)
     k_pages, v_pages = _pool_for(backend, k_pages, v_pages)
     if backend == "reference":
-        return paged_decode_reference(
-            q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale, return_stats=return_stats,
-            k_scale=k_scale, v_scale=v_scale,
-        )
+        scales = dict(sm_scale=sm_scale, return_stats=return_stats, k_scale=k_scale, v_scale=v_scale)
+        if selected is None:
+            return paged_decode_reference(q, k_pages, v_pages, page_table, lengths, **scales)
+        return sparse_paged_decode_reference(q, k_pages, v_pages, page_table, selected, lengths, **scales)
     dims = check_decode_inputs(
-        q, k_pages, v_pages, page_table, lengths, strict_page_size=backend != "xla", k_scale=k_scale, v_scale=v_scale
+        q, k_pages, v_pages, page_table, lengths, selected, strict_page_size=backend != "xla", k_scale=k_scale,
+        v_scale=v_scale,
     )
     sm_scale = resolve_sm_scale(sm_scale, dims.head_dim)
+    if selected is not None:
+        selected = _pages.normalize_selection(selected, lengths, dims.page_size)
     if backend == "pallas_tpu":
         from .decode_tpu import decode_tpu
 
         out, row_max, row_sum = decode_tpu(
-            q,
-            k_pages,
-            v_pages,
-            page_table,
-            lengths,
-            None,
-            sm_scale=sm_scale,
-            interpret=resolve_interpret(backend, interpret),
-            pages_per_block=pages_per_block,
-            num_splits=num_splits,
-            k_scale=k_scale,
-            v_scale=v_scale,
+            q, k_pages, v_pages, page_table, lengths, selected, sm_scale=sm_scale,
+            interpret=resolve_interpret(backend, interpret), pages_per_block=pages_per_block,
+            num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
         )
         return _finish(q, out, row_max, row_sum, return_stats)
-    logical, counts = _pages.dense_read_list(lengths, dims.max_pages, dims.page_size)
+    if selected is None:
+        logical, counts = _pages.dense_read_list(lengths, dims.max_pages, dims.page_size)
+    else:
+        logical, counts = _pages.sparse_read_list(selected, lengths, dims.page_size)
     physical = _pages.physical_pages(page_table, logical, dims.num_pages)
     out, row_max, row_sum = _attend_read_list(
         backend, q, k_pages, v_pages, physical, counts, sm_scale=sm_scale, interpret=interpret,
