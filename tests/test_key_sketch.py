@@ -177,3 +177,25 @@ def test_selector_equals_full_attention_when_budget_covers_context(name):
     full = kvjax.generate(model, prompt, 4, decode_last=6)
     policy = kvjax.make_policy(name, token_budget=128, dense_layers=0)
     np.testing.assert_array_equal(kvjax.generate(model, prompt, 4, policy=policy, decode_last=6), full)
+
+
+@pytest.mark.parametrize("evict, select", [("snapkv", "loki"), ("h2o", "key_int4")])
+def test_sketch_selector_composes_with_an_evictor(evict, select):
+    """Compose(evict=..., select=loki | key_int4): the sketch is fitted on the compressed state (and written
+    for every decoded token, into H2O's refilled holes too); when the selection's budget covers every
+    kept slot, tokens and log-probabilities equal the evictor alone, and at a small budget it selects."""
+    model = tiny_model()
+    prompt = np.random.default_rng(5).integers(5, model.cfg.vocab_size, size=(2, 300))
+    evictor = kvjax.make_policy(evict, token_budget=64, dense_layers=0)
+    alone, lp_alone = kvjax.generate(model, prompt, 6, policy=evictor, return_logprobs=True)
+    covering = kvjax.make_policy("compose", evict=evictor,
+                                 select=kvjax.make_policy(select, token_budget=128, dense_layers=0))
+    tokens, lp = kvjax.generate(model, prompt, 6, policy=covering, return_logprobs=True)
+    np.testing.assert_array_equal(tokens, alone)
+    np.testing.assert_allclose(lp, lp_alone, atol=1e-5)
+    state, _ = kvjax.prefill(model, prompt, policy=covering, max_new_tokens=6)
+    assert state.key_sketch is not None
+    narrow = kvjax.make_policy("compose", evict=evictor,
+                               select=kvjax.make_policy(select, token_budget=32, dense_layers=0))
+    _, lp_narrow = kvjax.generate(model, prompt, 6, policy=narrow, return_logprobs=True)
+    assert not np.allclose(lp_narrow, lp_alone, atol=1e-5)

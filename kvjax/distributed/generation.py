@@ -116,7 +116,7 @@ def on_mesh(model: Model, mesh: Mesh, on_indivisible: str = "error") -> tuple[Mo
 def refuse_unsharded(policy: Policy | None) -> None:
     """Raise for a policy whose page metadata the mesh cannot place yet: the key-sketch selectors (`loki`,
     `key_int4`) fit their sketch from the whole prefilled state, which on a mesh is stacked per shard."""
-    if policy is not None and hasattr(policy, "attach_sketch"):
+    if policy is not None and policy.keeps_key_sketch:
         raise NotImplementedError(
             f"policy {policy.name!r} keeps a key sketch, which the sharded path does not place per shard yet; "
             "run it with kvjax.generate on one device"

@@ -157,8 +157,7 @@ def prefill_row_steps(
 def attach_selector_metadata(state: KVState, policy: Policy) -> KVState:
     """The state with the page metadata a selector keeps besides Quest's (`attach_sketch`, the key sketch
     of `kvjax.policies.key_sketch`) written for every prefilled slot; decode steps then write it per token."""
-    attach = getattr(policy, "attach_sketch", None)
-    return state if attach is None else attach(state)
+    return policy.attach_sketch(state)
 
 
 def run_to_end(steps: Generator):

@@ -88,7 +88,7 @@ def append_and_attend(
     query, the kernel's row max and sum and the slots read, for `decode_scores`.
     Returns `(state, out [B, C, Hq, D], view or None)`."""
     sketch = None
-    if state.key_sketch is not None and hasattr(policy, "sketch_keys"):  # a selector's per-slot key sketch
+    if state.key_sketch is not None and policy.keeps_key_sketch:  # a selector's per-slot key sketch
         sketch = policy.sketch_keys(state.key_sketch, layer, k)
     state = append_to_layer(state, layer, k, v, positions, num_new, score=score, sketch=sketch)
     if not decoding:

@@ -189,6 +189,17 @@ class Policy:
         page is always read besides), or None for all. Reads `view.q` and the page metadata."""
         raise NotImplementedError
 
+    keeps_key_sketch: ClassVar[bool] = False  # a per-slot key sketch besides Quest's min/max (key_sketch.py)
+
+    def attach_sketch(self, state: Any) -> Any:
+        """The `KVState` with the selector's key sketch fitted and written for every slot, after prefill
+        (and its compression); the state unchanged for a policy that keeps no sketch."""
+        return state
+
+    def sketch_keys(self, sketch: Any, layer: Any, k: jax.Array) -> Any:
+        """The sketch rows `[B, C, H, R]` of new keys `k [B, C, H, D]` that the append writes, or None."""
+        return None
+
     # ---- evict while decoding
     @property
     def evicts_while_decoding(self) -> bool:
@@ -208,7 +219,7 @@ class Policy:
 ROLE_MEMBERS: dict[str, tuple[str, ...]] = {
     "compress": ("compresses", "accumulates_attention", "window_size", "chunks", "kept_bound", "compresses_layer",
                  "compress_layer", "slots_needed"),
-    "select": ("selects_pages", "select_pages"),
+    "select": ("selects_pages", "select_pages", "keeps_key_sketch", "attach_sketch", "sketch_keys"),
     "evict": ("evicts_while_decoding", "decode_budget", "decode_scores"),
 }
 

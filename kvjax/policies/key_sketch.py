@@ -24,6 +24,7 @@ def per_head(x: jax.Array, heads: int) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class SketchSelect(Quest):
     codes_kind: ClassVar[str] = "float"  # how `sketch_page_scores` decodes the codes
+    keeps_key_sketch: ClassVar[bool] = True
 
     # ---- what a subclass defines
     def fit(self, keys: jax.Array, valid: jax.Array) -> Any:
