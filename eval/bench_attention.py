@@ -111,8 +111,8 @@ def time_rotating(fn, args_per_layer, repeats: int, warmup: int = 2):
 def time_interleaved(fns: dict, args_per_layer, repeats: int, warmup: int = 2):
     """Median and min seconds per function, timed round-robin: repeat r calls every function once, so a
     change of load on the shared machine hits all of them alike. Every call takes the next layer's
-    arguments, so no call finds the pages of the call before it in the cache (a layer of Llama-2 at 4K is
-    32 MiB: when each repeat handed one layer to every function, the second function to read it found
+    arguments, so no call finds the pages of the call before it in the cache (a layer of Llama-2 at 4K holds
+    128 MiB of K and V: when each repeat handed one layer to every function, the second function to read it found
     part of it in the last-level cache)."""
     for fn in fns.values():
         for i in range(warmup):
