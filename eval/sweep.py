@@ -229,6 +229,38 @@ def accuracy_table(result: dict) -> str:
     return "\n".join(out)
 
 
+def accuracy_table_with_load(result: dict) -> str:
+    """`accuracy_table` followed by the load the run recorded (the sweeps whose timing is quoted beside them)."""
+    from ._tables import load_line
+
+    return accuracy_table(result) + "\n\n" + load_line(result)
+
+
+def selection_headline(results: list) -> str:
+    """The README's selection digest: one row per policy, one column per (task, length, budget) over the
+    sweeps given (e.g. the 2K and the 4K selection sweeps), then the samples behind each column."""
+    short = {"real_passkey": "passkey", "niah_single": "needle"}
+    columns, notes = [], []
+    for result in results:
+        for task in result["tasks"]:
+            for n in result["lengths"]:
+                cells = [r for r in result["accuracy"] if r["task"] == task and r["length"] == n]
+                if not cells:
+                    continue
+                notes.append(f"{short.get(task, task)} {n // 1024}K: {max(r['samples'] for r in cells)}")
+                for b in result["budgets"]:
+                    columns.append((f"{short.get(task, task)} {n // 1024}K @{b}", cells, b))
+    rows = []
+    for policy in results[0]["policies"]:
+        row = [policy.replace(":dense_layers=2", "")]
+        for _, cells, b in columns:
+            hit = [r for r in cells if r["policy"] == policy and r["budget"] == (None if policy == "full" else b)]
+            row.append(f"{100 * hit[0]['accuracy']:.0f}%" if hit else "")
+        rows.append(row)
+    return (markdown_table(["policy"] + [c[0] for c in columns], rows).rstrip()
+            + "\n\nSamples a cell: " + "; ".join(notes) + ".")
+
+
 def headline_table(result: dict, quest: str = "quest:dense_layers=2") -> str:
     """The README's digest of a sweep: per (length, task), full attention, Quest at every budget, and the
     best evictor at the largest budget (any policy that is neither full nor a Quest variant), named."""
