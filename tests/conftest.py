@@ -162,18 +162,25 @@ def _abstract_device_mesh(device_kind: str, num_cores: int, platform: str):
         pytest.skip(f"cannot simulate a {platform} device for lowering here: {error}")
 
 
+def simulate(platform: str):
+    """A context in which lowering targets an abstract device of `platform`: a TPU v5e ("tpu"), so the
+    Mosaic lowering knows its target, or an H100 ("cuda"), which Pallas's Triton lowering asks for from JAX
+    0.11 on (it stops at "No supported GPU devices found" on a machine without one). Enter it after any
+    real computation: from JAX 0.11 on, arrays made inside it ask for `lowering_platforms`."""
+    if platform == "tpu":
+        return _abstract_device_mesh("TPU v5e", 1, "tpu")
+    return _abstract_device_mesh("NVIDIA H100", 132, "cuda")
+
+
 @pytest.fixture
 def simulated_tpu():
-    """An abstract mesh whose device is a TPU v5e, so the Mosaic lowering knows its target."""
-    with _abstract_device_mesh("TPU v5e", 1, "tpu"):
+    with simulate("tpu"):
         yield
 
 
 @pytest.fixture
 def simulated_gpu():
-    """An abstract mesh whose device is an H100, the target Pallas's Triton lowering asks for from JAX 0.12
-    on (it stops at "No supported GPU devices found" on a machine without one)."""
-    with _abstract_device_mesh("NVIDIA H100", 132, "cuda"):
+    with simulate("cuda"):
         yield
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from conftest import simulate
 from kvjax.models.config import ModelConfig
 from kvjax.engine.generation import policy_or_full
 from kvjax.models.loading import Model, init_params
@@ -54,10 +55,10 @@ def abstract_decode_args(model, policy):
 
 
 @pytest.mark.parametrize("name", sorted(KERNEL_CALLS))
-def test_decode_step_exports_for_tpu(model, simulated_tpu, name):
+def test_decode_step_exports_for_tpu(model, name):
     policy = policy_for(name)
     args = abstract_decode_args(model, policy)
-    with target_platform("tpu", check_compiles=False):
+    with simulate("tpu"), target_platform("tpu", check_compiles=False):
         exported = jax.export.export(append_step, platforms=["tpu"])(
             *args, cfg=CFG, dtype=jnp.float32, policy=policy
         )
@@ -72,7 +73,7 @@ def test_decode_step_exports_for_cuda(model, name):
     policy = policy_for(name)
     args = abstract_decode_args(model, policy)
     triton = "__gpu$xla.gpu.triton"
-    with target_platform("cuda", check_compiles=False):
+    with simulate("cuda"), target_platform("cuda", check_compiles=False):
         exported = jax.export.export(
             append_step, platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)]
         )(*args, cfg=CFG, dtype=jnp.float32, policy=policy)
