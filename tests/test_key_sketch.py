@@ -194,10 +194,11 @@ def test_sketch_selector_composes_with_an_evictor(evict, select):
                                  select=kvjax.make_policy(select, token_budget=128, dense_layers=0))
     tokens, lp = kvjax.generate(model, prompt, 6, policy=covering, return_logprobs=True)
     np.testing.assert_array_equal(tokens, alone)
-    np.testing.assert_allclose(lp, lp_alone, atol=1e-5)
+    # the selection reads the kept pages through the sparse kernel, in another order: float32 rounding
+    np.testing.assert_allclose(lp, lp_alone, atol=1e-4)
     state, _ = kvjax.prefill(model, prompt, policy=covering, max_new_tokens=6)
     assert state.key_sketch is not None
     narrow = kvjax.make_policy("compose", evict=evictor,
                                select=kvjax.make_policy(select, token_budget=32, dense_layers=0))
     _, lp_narrow = kvjax.generate(model, prompt, 6, policy=narrow, return_logprobs=True)
-    assert not np.allclose(lp_narrow, lp_alone, atol=1e-5)
+    assert not np.allclose(lp_narrow, lp_alone, atol=1e-4)
