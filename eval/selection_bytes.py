@@ -44,6 +44,15 @@ def step_bytes(selector: str, n: int, budget: int, *, head_dim: int = 64, page_s
     return {"metadata": metadata, "scores": scores, "chosen": chosen, "total": metadata + scores + chosen}
 
 
+def render(payload: dict) -> str:
+    """Bytes one decode step reads per layer and kv head, a row per (context, budget, selector)."""
+    header = ["context", "budget", "selector", "metadata", "scores + page table", "chosen K/V", "total",
+              "metadata B/token"]
+    body = [[r["context"], r["budget"], r["selector"], f"{r['metadata']:,}", f"{r['scores']:,}", f"{r['chosen']:,}",
+             f"{r['total']:,}", f"{r['metadata_bytes_per_token']:.1f}"] for r in payload["results"]]
+    return markdown_table(header, body)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
@@ -59,10 +68,7 @@ def main(argv=None):
                              "metadata_bytes_per_token": b["metadata"] / n})
     payload = {"benchmark": "selection_bytes", "machine": machine_info(), "head_dim": 64, "page_size": 16,
                "group": 3, "kv_itemsize": 4, "results": rows}
-    header = ["context", "budget", "selector", "metadata", "scores", "chosen", "total", "meta B/token"]
-    body = [[r["context"], r["budget"], r["selector"], r["metadata"], r["scores"], r["chosen"], r["total"],
-             f"{r['metadata_bytes_per_token']:.1f}"] for r in rows]
-    table = markdown_table(header, body)
+    table = render(payload)
     write_outputs(args.out, "selection_bytes", payload, table)
     print(table)
     return payload
