@@ -236,9 +236,10 @@ def accuracy_table_with_load(result: dict) -> str:
     return accuracy_table(result) + "\n\n" + load_line(result)
 
 
-def selection_headline(results: list) -> str:
+def selection_headline(results: list, budgets=(128, 256)) -> str:
     """The README's selection digest: one row per policy, one column per (task, length, budget) over the
-    sweeps given (e.g. the 2K and the 4K selection sweeps), then the samples behind each column."""
+    sweeps given (e.g. the 2K and the 4K selection sweeps) at `budgets` (the aim's), then the samples
+    behind each column."""
     short = {"real_passkey": "passkey", "niah_single": "needle"}
     columns, notes = [], []
     for result in results:
@@ -247,8 +248,9 @@ def selection_headline(results: list) -> str:
                 cells = [r for r in result["accuracy"] if r["task"] == task and r["length"] == n]
                 if not cells:
                     continue
-                notes.append(f"{short.get(task, task)} {n // 1024}K: {max(r['samples'] for r in cells)}")
-                for b in result["budgets"]:
+                shown = [r for r in cells if r["budget"] in (None, *budgets)]
+                notes.append(f"{short.get(task, task)} {n // 1024}K: {max(r['samples'] for r in shown)}")
+                for b in (b for b in result["budgets"] if b in budgets):
                     columns.append((f"{short.get(task, task)} {n // 1024}K @{b}", cells, b))
     rows = []
     for policy in results[0]["policies"]:
