@@ -151,13 +151,7 @@ def prefill_row_steps(
     )
     if policy.compresses and policy.chunks is None:
         state = compress_prefilled(model, state, window, policy, [len(r) for r in rows], reserve_tokens, backend)
-    return attach_selector_metadata(state, policy), logits
-
-
-def attach_selector_metadata(state: KVState, policy: Policy) -> KVState:
-    """The state with the page metadata a selector keeps besides Quest's (`attach_sketch`, the key sketch
-    of `kvjax.policies.key_sketch`) written for every prefilled slot; decode steps then write it per token."""
-    return policy.attach_sketch(state)
+    return policy.attach_sketch(state), logits  # a selector's key sketch, fitted on the compressed cache
 
 
 def run_to_end(steps: Generator):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.engine.generation import (
-    DEFAULT_CHUNK_SIZE, as_token_lists, attach_selector_metadata, bucketed, check_context, compress_prefilled,
+    DEFAULT_CHUNK_SIZE, as_token_lists, bucketed, check_context, compress_prefilled,
     policy_or_full, prefill_chunk_steps, run_to_end,
 )
 from kvjax.models.loading import Model
@@ -99,7 +99,7 @@ def derive(model: Model, shared: SharedPrefill, policy: Policy | None) -> tuple[
     if not (policy.compresses and policy.accumulates_attention):
         state = state.replace(slot_score=jnp.zeros_like(state.slot_score))
     if not policy.compresses:
-        return attach_selector_metadata(state, policy), shared.logits
+        return policy.attach_sketch(state), shared.logits
     if policy.window_size > shared.capture.window or (policy.accumulates_attention and not shared.capture.accumulate):
         raise ValueError(
             f"policy {policy.name!r} reads what the shared prefill did not gather ({shared.capture}); include it "
