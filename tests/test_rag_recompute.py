@@ -57,7 +57,7 @@ def test_full_recompute_equals_full_prefill(rope_type, form, llama):
     assert long_rope == (rope_type == "longrope")
     store = ChunkStore(model, form=form, long_rope=long_rope)
     ctx = assemble(model, store, prefix, chunks, query, max_new_tokens=8)
-    result = recompute(model, ctx, ctx.chunk_slots, max_new_tokens=8)
+    result = recompute(model, ctx, ctx.chunk_slots)
     _assert_same_cache(model, result, full_state, full_logits)
     # decoding continues from the reassembled state as from the full one
     token = np.asarray(full_logits).argmax(-1)
@@ -70,7 +70,7 @@ def test_cacheblend_at_full_ratio_equals_full_prefill(llama):
     prefix, chunks, query = request(3)
     full_state, full_logits = kvjax.prefill(llama, _full_tokens(prefix, chunks, query)[None], max_new_tokens=8)
     ctx = assemble(llama, ChunkStore(llama), prefix, chunks, query, max_new_tokens=8)
-    _assert_same_cache(llama, cacheblend_prefill(llama, ctx, ratio=1.0, max_new_tokens=8), full_state, full_logits)
+    _assert_same_cache(llama, cacheblend_prefill(llama, ctx, ratio=1.0), full_state, full_logits)
 
 
 def test_direct_reuse_of_a_single_chunk_is_exact(llama):
@@ -79,14 +79,14 @@ def test_direct_reuse_of_a_single_chunk_is_exact(llama):
     prefix, chunks, query = request(4, num_chunks=1)
     full_state, full_logits = kvjax.prefill(llama, _full_tokens(prefix, chunks, query)[None], max_new_tokens=8)
     ctx = assemble(llama, ChunkStore(llama, form="rotated"), prefix, chunks, query, max_new_tokens=8)
-    _assert_same_cache(llama, direct_reuse(llama, ctx, max_new_tokens=8), full_state, full_logits)
+    _assert_same_cache(llama, direct_reuse(llama, ctx), full_state, full_logits)
 
 
 def test_partial_recompute_overwrites_only_the_chosen_slots(llama):
     prefix, chunks, query = request(5)
     store = ChunkStore(llama)
     reused = assemble(llama, store, prefix, chunks, query)
-    reused_k = [np.asarray(k[0]) for k in reused.k]  # [S, H, D] per layer
+    reused_k = [np.asarray(reused.layer_kv(layer)[0][0]) for layer in range(llama.cfg.num_layers)]  # [S, H, D]
     ctx = assemble(llama, store, prefix, chunks, query)
     chosen = ctx.chunk_slots[[3, 4, 5, 30, 31, 60]]
     result = recompute(llama, ctx, chosen)

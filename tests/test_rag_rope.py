@@ -98,8 +98,9 @@ def test_stored_forms_assemble_the_same_keys(rope_type):
     assert a.long_rope is False  # 5 + 16 + 4 + 4 < 32: LongRoPE's short factors
     np.testing.assert_array_equal(a.positions, np.arange(a.num_slots))
     for layer in range(model.cfg.num_layers):
-        np.testing.assert_allclose(np.asarray(a.k[layer]), np.asarray(b.k[layer]), atol=1e-5)
-        np.testing.assert_array_equal(np.asarray(a.v[layer]), np.asarray(b.v[layer]))
+        (ka, va), (kb, vb) = a.layer_kv(layer), b.layer_kv(layer)
+        np.testing.assert_allclose(np.asarray(ka), np.asarray(kb), atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(va), np.asarray(vb))
 
 
 def test_longrope_rotated_store_refuses_a_long_assembly_and_pre_rope_accepts_it():

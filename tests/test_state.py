@@ -173,3 +173,37 @@ def test_bfloat16_pages_on_cpu_are_held_as_bits_and_match_bfloat16(llama):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(float_logits), atol=0.05)
     out = kvjax.generate(model, prompt, max_new_tokens=6)
     assert (out == kvjax.generate(llama, prompt, max_new_tokens=6)).mean() >= 0.8
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.int8])
+def test_write_slots_overwrites_exactly_those_slots_and_keeps_metadata_exact(llama, kv_dtype):
+    """A RAG context recomputes some of its slots in place: `write_slots` must change those slots of every head
+    and nothing else, and leave kmin/kmax the exact bounds of what attention reads."""
+    from kvjax.cache.state import gather_layer, write_slots
+
+    cfg = llama.cfg
+    H, D, S = cfg.num_kv_heads, cfg.head_dim, 21
+    rng = np.random.default_rng(0)
+    k0, v0, k1, v1 = (rng.normal(size=(2, S, H, D)).astype(np.float32) * 3 for _ in range(4))
+    state = init_state(cfg, 2, 48, page_size=8, dtype=kv_dtype)
+    state, ok = allocate_for_append(state, jnp.full((2,), S, jnp.int32), S)
+    assert bool(ok)
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (2, S))
+    for layer in range(cfg.num_layers):
+        state = append_to_layer(state, layer, k0, v0, positions, jnp.full((2,), S, jnp.int32))
+    slots = np.array([[0, 7, 8, 20], [3, 4, 15, 16]], np.int32)
+    picked = k1[np.arange(2)[:, None], slots], v1[np.arange(2)[:, None], slots]  # [2, 4, H, D]
+    written = jax.jit(write_slots, static_argnums=1)(state, 1, jnp.asarray(slots), *picked)
+    check_invariants(written)
+    before, after = gather_layer(state, 1), gather_layer(written, 1)
+    for old, new, fresh in zip(before[:2], after[:2], picked):
+        old, new = np.asarray(old)[:, :, :S], np.asarray(new)[:, :, :S]  # [2, H, S, D]
+        for b in range(2):
+            others = np.setdiff1d(np.arange(S), slots[b])
+            np.testing.assert_array_equal(new[b][:, others], old[b][:, others])
+            tol = 0.05 if kv_dtype == jnp.int8 else 0
+            np.testing.assert_allclose(new[b][:, slots[b]], np.swapaxes(fresh[b], 0, 1), atol=tol * 3 * 4)
+    for layer in set(range(cfg.num_layers)) - {1}:  # other layers untouched
+        np.testing.assert_array_equal(np.asarray(gather_layer(written, layer)[0]), np.asarray(gather_layer(state, layer)[0]))
+    np.testing.assert_array_equal(np.asarray(written.lengths), np.asarray(state.lengths))
+    np.testing.assert_array_equal(np.asarray(written.slot_pos), np.asarray(state.slot_pos))

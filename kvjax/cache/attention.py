@@ -75,16 +75,20 @@ def masked_attention(
 
 def paged_attention(
     q: jax.Array, q_positions: jax.Array, state: KVState, layer, scale: float | None = None,
-    return_probs: bool = False, window=0,
+    return_probs: bool = False, window=0, q_slots: jax.Array | None = None,
 ):
     """Queries `q [B, T, Hq, D]` at `q_positions int32[B, T]` over every valid slot of `layer` whose original
     position is not after the query's (so a chunk is causal within itself) and, with a `window`, inside it.
-    Returns `[B, T, Hq, D]`, and with `return_probs` also the probabilities `f32[B, H, G, T, S]` in
-    `gather_layer`'s slot order."""
+    With `q_slots int32[B, T]` (the queries' own logical slots) a query sees the slots at or before its slot
+    instead: an assembled RAG context, whose slot order is its causal order even where chunks share
+    positions (parallel encoding). Returns `[B, T, Hq, D]`, and with `return_probs` also the probabilities
+    `f32[B, H, G, T, S]` in `gather_layer`'s slot order."""
     k, v, slot_pos, valid = gather_layer(state, layer)  # [B, H, S, D], [B, H, S]
-    visible = valid[:, :, None, None, :] & visible_keys(
-        slot_pos[:, :, None, None, :], q_positions[:, None, None, :, None], window
-    )
+    if q_slots is None:
+        seen = visible_keys(slot_pos[:, :, None, None, :], q_positions[:, None, None, :, None], window)
+    else:
+        seen = jnp.arange(k.shape[2])[None, None, None, None, :] <= q_slots[:, None, None, :, None]
+    visible = valid[:, :, None, None, :] & seen
     return masked_attention(q, k, v, visible, scale, return_probs)
 
 

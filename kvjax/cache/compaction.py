@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.state import KVState, pages_for
+from kvjax.cache.state import KVState, page_minmax, pages_for
 
 
 def push_free(state: KVState, pages: jax.Array, release: jax.Array) -> KVState:
@@ -28,15 +28,6 @@ def push_free(state: KVState, pages: jax.Array, release: jax.Array) -> KVState:
         num_free=state.num_free + jnp.sum(release).astype(jnp.int32),
         refcount=state.refcount.at[jnp.where(release, pages, N)].set(0, mode="drop"),
     )
-
-
-def page_minmax(state: KVState, pages: jax.Array, num_valid: jax.Array):
-    """Exact (kmin, kmax) `[..., D]` of `pages [...]` over their first `num_valid [...]` slots (of the keys
-    attention reads: dequantised when the pages are int8)."""
-    k = state.read_k(jnp.clip(pages, 0, state.num_pages - 1))  # [..., ps, D]
-    valid = jnp.arange(k.shape[-2])[None, :] < num_valid.reshape(-1)[:, None]
-    valid = valid.reshape(num_valid.shape + (k.shape[-2], 1))
-    return jnp.min(jnp.where(valid, k, jnp.inf), axis=-2), jnp.max(jnp.where(valid, k, -jnp.inf), axis=-2)
 
 
 def compact_layer(state: KVState, layer, keep_slots: jax.Array, keep_count: jax.Array) -> KVState:

@@ -254,6 +254,30 @@ def allocate_for_append(state: KVState, num_new: jax.Array, max_new_tokens: int)
     return state, ok
 
 
+def _write_kv(state: KVState, page: jax.Array, offset: jax.Array, k: jax.Array, v: jax.Array):
+    """Store `k, v [..., D]` at physical `(page, offset) [...]` (out-of-bounds pages are dropped) in the
+    pages' layout: quantised with per-slot scales for int8 pages, as bit patterns for CPU bfloat16 pages.
+    Returns the state and the keys attention will read back, in the metadata's dtype (what kmin/kmax bound)."""
+    if state.quantized:
+        k_stored, k_scale = quantize_int8(k)  # [..., D], [...]
+        v_stored, v_scale = quantize_int8(v)
+        k = dequantize(k_stored, k_scale)
+        state = state.replace(
+            k_scale=state.k_scale.at[page, offset].set(k_scale, mode="drop"),
+            v_scale=state.v_scale.at[page, offset].set(v_scale, mode="drop"),
+        )
+    else:
+        k = k_stored = k.astype(state.page_dtype)
+        v_stored = v.astype(state.page_dtype)
+        if is_bfloat16_bits(state.k_pages):
+            k_stored, v_stored = bfloat16_bits(k_stored), bfloat16_bits(v_stored)
+    state = state.replace(
+        k_pages=state.k_pages.at[page, offset].set(k_stored, mode="drop"),
+        v_pages=state.v_pages.at[page, offset].set(v_stored, mode="drop"),
+    )
+    return state, k.astype(state.kmin.dtype)
+
+
 def append_to_layer(
     state: KVState, layer, k: jax.Array, v: jax.Array, positions: jax.Array, num_new: jax.Array,
     score: jax.Array | None = None, sketch: jax.Array | None = None,
@@ -283,23 +307,8 @@ def append_to_layer(
     if sketch is not None and state.key_sketch is not None:
         codes = state.key_sketch.codes.at[page, offset].set(sketch.astype(state.key_sketch.codes.dtype), mode="drop")
         state = state.replace(key_sketch=state.key_sketch._replace(codes=codes))
-    if state.quantized:
-        k_stored, k_scale = quantize_int8(k)  # [B, C, H, D], [B, C, H]
-        v_stored, v_scale = quantize_int8(v)
-        k = dequantize(k_stored, k_scale)  # the keys attention will read: kmin/kmax bound these
-        state = state.replace(
-            k_scale=state.k_scale.at[page, offset].set(k_scale, mode="drop"),
-            v_scale=state.v_scale.at[page, offset].set(v_scale, mode="drop"),
-        )
-    else:
-        k = k_stored = k.astype(state.page_dtype)
-        v_stored = v.astype(state.page_dtype)
-        if is_bfloat16_bits(state.k_pages):
-            k_stored, v_stored = bfloat16_bits(k_stored), bfloat16_bits(v_stored)
-    k = k.astype(state.kmin.dtype)
+    state, k = _write_kv(state, page, offset, k, v)
     return state.replace(
-        k_pages=state.k_pages.at[page, offset].set(k_stored, mode="drop"),
-        v_pages=state.v_pages.at[page, offset].set(v_stored, mode="drop"),
         kmin=state.kmin.at[page].min(k, mode="drop"),
         kmax=state.kmax.at[page].max(k, mode="drop"),
         slot_pos=state.slot_pos.at[page, offset].set(jnp.broadcast_to(positions[:, :, None], page.shape), mode="drop"),
@@ -319,6 +328,34 @@ def gather_layer(state: KVState, layer):
     pos = state.slot_pos[pt].reshape(B, H, S)
     valid = (jnp.arange(S, dtype=jnp.int32)[None, None, :] < state.lengths[layer][:, :, None]) & (pos >= 0)
     return k, v, pos, valid
+
+
+def page_minmax(state: KVState, pages: jax.Array, num_valid: jax.Array):
+    """Exact (kmin, kmax) `[..., D]` of `pages [...]` over their first `num_valid [...]` slots (of the keys
+    attention reads: dequantised when the pages are int8)."""
+    k = state.read_k(jnp.clip(pages, 0, state.num_pages - 1))  # [..., ps, D]
+    valid = jnp.arange(k.shape[-2])[None, :] < num_valid.reshape(-1)[:, None]
+    valid = valid.reshape(num_valid.shape + (k.shape[-2], 1))
+    return jnp.min(jnp.where(valid, k, jnp.inf), axis=-2), jnp.max(jnp.where(valid, k, -jnp.inf), axis=-2)
+
+
+def write_slots(state: KVState, layer, slots: jax.Array, k: jax.Array, v: jax.Array) -> KVState:
+    """Overwrite the K/V of existing logical `slots int32[B, n]` (the same slots in every head) of `layer`
+    with `k, v [B, n, H, D]`, and recompute the layer's `kmin`/`kmax` exactly. Positions, lengths and scores
+    are unchanged. How a RAG context recomputes some of its reused slots in place (`kvjax.rag.selective`)."""
+    if state.key_sketch is not None:
+        raise ValueError("write_slots does not rewrite key-sketch rows: attach a selector's sketch after the writes")
+    ps = state.page_size
+    B, n, H, _ = k.shape
+    table = state.page_table[layer]  # [B, H, P]
+    page = table[jnp.arange(B)[:, None, None], jnp.arange(H)[None, None, :], (slots // ps)[:, :, None]]  # [B, n, H]
+    real = (page >= 0) & (slots[:, :, None] < state.lengths[layer][:, None, :])
+    page = jnp.where(real, page, state.num_pages)
+    state, _ = _write_kv(state, page, jnp.broadcast_to((slots % ps)[:, :, None], page.shape), k, v)
+    filled = jnp.clip(state.lengths[layer][:, :, None] - jnp.arange(table.shape[-1]) * ps, 0, ps)  # [B, H, P]
+    kmin, kmax = page_minmax(state, table, filled)
+    held = jnp.where((table >= 0) & (filled > 0), table, state.num_pages)
+    return state.replace(kmin=state.kmin.at[held].set(kmin, mode="drop"), kmax=state.kmax.at[held].set(kmax, mode="drop"))
 
 
 def overflow_error(state: KVState) -> CacheCapacityError | None:
@@ -362,5 +399,7 @@ __all__ = [
     "gather_layer",
     "init_state",
     "overflow_error",
+    "page_minmax",
     "pages_for",
+    "write_slots",
 ]

@@ -1,7 +1,8 @@
-"""Assemble a RAG context from cached pieces: the shared prefix once, the chunks after it (their own copies
-of the prefix, the repeated sinks, were never stored), contiguous positions, and slots for the query.
+"""Assemble a RAG context from cached pieces into a paged `KVState`: the shared prefix once, the chunks after
+it (their own copies of the prefix, the repeated sinks, were never stored), contiguous positions, and slots
+for the query.
 
-Keys come out post-RoPE at their new positions: pre-RoPE entries are rotated there, rotated entries are
+Keys land post-RoPE at their new positions: pre-RoPE entries are rotated there, rotated entries are
 re-rotated by the position delta. The query's slots hold zeros until a forward writes them.
 """
 
@@ -15,8 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache.state import KVState, gather_layer
 from kvjax.models.config import ModelConfig
 from kvjax.models.loading import Model
+from kvjax.rag.cache_state import default_capacity, state_from_kv
 from kvjax.rag.rope_shift import check_shiftable, rotate_keys, shift_keys
 from kvjax.rag.store import ChunkKV, ChunkStore, check_fingerprint, model_fingerprint
 from kvjax.models.rope import uses_long_factors
@@ -24,12 +27,13 @@ from kvjax.models.rope import uses_long_factors
 
 @dataclasses.dataclass
 class AssembledContext:
-    """One request's context, B = 1. S = prefix + chunk + query tokens; L layers; H kv heads; D head dim."""
+    """One request's context, B = 1: S = prefix + chunk + query tokens, held as slots 0..S-1 of every layer and
+    kv head of `state` (post-RoPE at `positions`; the query's slots zero until a forward computes them).
+    A prefill method consumes the state (`state` is None afterwards)."""
 
     tokens: np.ndarray  # int32[S]
     positions: np.ndarray  # int32[S]
-    k: tuple  # L x [1, S, H, D] post-RoPE at `positions` (zeros at the query's slots until computed)
-    v: tuple  # L x [1, S, H, D]
+    state: KVState | None
     prefix_len: int
     chunk_spans: list  # (start, end) slots of each chunk
     query_len: int
@@ -49,16 +53,22 @@ class AssembledContext:
         return np.arange(self.prefix_len, self.num_slots - self.query_len, dtype=np.int32)
 
     def batch_arrays(self):
-        """`(tokens int32[1, S], positions int32[1, S], valid bool[1, S])` as device arrays."""
-        return (jnp.asarray(self.tokens[None]), jnp.asarray(self.positions[None]),
-                jnp.ones((1, self.num_slots), bool))
+        """`(tokens int32[1, S], positions int32[1, S])` as device arrays."""
+        return jnp.asarray(self.tokens[None]), jnp.asarray(self.positions[None])
+
+    def layer_kv(self, layer: int):
+        """`(k, v)`, each `[1, S, H, D]`: the context's K/V of `layer` in slot order (read from the state)."""
+        if self.state is None:
+            raise ValueError("this context's state was consumed by a prefill method; assemble the request again")
+        k, v, _, _ = gather_layer(self.state, layer)  # [1, H, S', D]
+        return tuple(jnp.swapaxes(x, 1, 2)[:, : self.num_slots] for x in (k, v))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "form", "stored_long_rope", "long_rope", "query_len"))
 def _place(keys, values, old_positions, new_positions, *, cfg: ModelConfig, form: str, stored_long_rope: bool,
            long_rope: bool, query_len: int):
     """Concatenate entries' `[L, T_i, H, D]` K/V, move keys to `new_positions`, add `query_len` zero slots.
-    Returns per-layer tuples of `[1, S, H, D]`."""
+    Returns `k, v [L, 1, S, H, D]`."""
     k = jnp.concatenate(keys, axis=1)
     v = jnp.concatenate(values, axis=1)
     if form == "pre_rope":
@@ -66,8 +76,7 @@ def _place(keys, values, old_positions, new_positions, *, cfg: ModelConfig, form
     else:
         k = shift_keys(k, (new_positions - old_positions)[None], cfg, stored_long_rope, long_rope)
     pad = ((0, 0), (0, query_len), (0, 0), (0, 0))
-    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-    return tuple(k[l][None] for l in range(k.shape[0])), tuple(v[l][None] for l in range(v.shape[0]))
+    return jnp.pad(k, pad)[:, None], jnp.pad(v, pad)[:, None]
 
 
 def assemble(
@@ -80,12 +89,16 @@ def assemble(
     parallel_positions: bool = False,
     max_new_tokens: int = 16,
     long_rope: bool | None = None,
+    capacity: int | None = None,
+    page_size: int = 16,
 ) -> AssembledContext:
     """Assemble `prefix + chunks` from `store` (encoding chunks it lacks), followed by `query_tokens`.
 
     Positions are contiguous (chunk i starts where chunk i - 1 ended); with `parallel_positions` every
     chunk keeps its encoding positions P..P+T_i-1 and the query follows the longest (APE-style parallel
-    encoding). `long_rope` defaults to LongRoPE's rule for the assembled length plus `max_new_tokens`.
+    encoding). `long_rope` defaults to LongRoPE's rule for the assembled length plus `max_new_tokens`. The
+    state holds `capacity` tokens per (layer, head) in pages of `page_size` (default: the context plus
+    `max_new_tokens`, rounded up to 256).
     Raises `ChunkMismatchError` if the store belongs to another model or tokenizer, `RopeShiftError` if
     rotated keys would cross LongRoPE's factor switch, `NotImplementedError` for a model with sliding
     windows.
@@ -127,4 +140,7 @@ def assemble(
         long_rope=bool(long_rope), query_len=query_len,
     )
     tokens = np.concatenate([e.tokens for e in entries] + [query])
-    return AssembledContext(tokens, positions, k, v, P, spans, query_len, bool(long_rope))
+    capacity = default_capacity(len(tokens), max_new_tokens) if capacity is None else capacity
+    state = state_from_kv(model.cfg, k, v, positions[None], capacity=capacity, page_size=page_size,
+                          long_rope=bool(long_rope))
+    return AssembledContext(tokens, positions, state, P, spans, query_len, bool(long_rope))

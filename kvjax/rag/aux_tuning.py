@@ -16,28 +16,23 @@ import optax
 
 from kvjax.cache.attention import masked_attention
 from kvjax.models.config import ModelConfig
-from kvjax.models import CausalLM
-from kvjax.models.rope import rope_frequencies
+from kvjax.engine.api import dense_forward
 
 
 def _rows_attention(params, tokens, first: int, stop: int, *, cfg: ModelConfig, dtype, last_layer_only: bool) -> jax.Array:
     """f32[B, T]: attention of rows `first .. stop - 1`, averaged over heads and rows, and over layers (or
-    the last layer's alone), from a dense causal forward of `tokens int32[B, T]`."""
+    the last layer's alone), from the dense reference forward (`dense_forward`) of `tokens int32[B, T]`."""
     B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    causal = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # [T, T]
+    causal = jnp.arange(T)[None, :] <= jnp.arange(first, stop)[:, None]  # [rows, T]
 
-    def attend(layer, inputs, total):
+    def rows(layer, inputs, total):
         k, v = jnp.swapaxes(inputs.k, 1, 2), jnp.swapaxes(inputs.v, 1, 2)  # [B, H, T, D]
-        out = masked_attention(inputs.q, k, v, causal)
-        # the rows again, for their probabilities alone (a [B, H, G, rows, T] tensor, not [.., T, T])
-        _, probs = masked_attention(inputs.q[:, first:stop], k, v, causal[first:stop], return_probs=True)
-        rows = probs.mean(axis=(1, 2, 3))  # [B, T]
-        return out, (rows if last_layer_only else total + rows)
+        # the rows' probabilities alone (a [B, H, G, rows, T] tensor, not [.., T, T])
+        _, probs = masked_attention(inputs.q[:, first:stop], k, v, causal, return_probs=True)
+        mean = probs.mean(axis=(1, 2, 3))  # [B, T]
+        return mean if last_layer_only else total + mean
 
-    _, total = CausalLM(cfg, dtype).apply(
-        {"params": params}, tokens, positions, rope_frequencies(cfg, False), attend, jnp.zeros((B, T), jnp.float32)
-    )
+    _, total = dense_forward(params, tokens, cfg, dtype, observe=rows, observed=jnp.zeros((B, T), jnp.float32))
     return total if last_layer_only else total / cfg.num_layers
 
 

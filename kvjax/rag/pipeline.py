@@ -48,13 +48,13 @@ def rag_prefill(
         tokens = np.concatenate([np.asarray(prefix_tokens), *map(np.asarray, chunk_token_lists), np.asarray(query_tokens)])
         return full_prefill(model, tokens, **common)
     ctx = assemble(model, store, prefix_tokens, chunk_token_lists, query_tokens, parallel_positions=method == "ape",
-                   max_new_tokens=max_new_tokens)
+                   **common)
     if method == "recompute_all":
-        return recompute(model, ctx, ctx.chunk_slots, **common)
+        return recompute(model, ctx, ctx.chunk_slots)
     if method in ("reuse", "ape"):
-        return direct_reuse(model, ctx, **common)
+        return direct_reuse(model, ctx)
     if method == "cacheblend":
-        return cacheblend_prefill(model, ctx, 0.15 if ratio is None else ratio, **common)
+        return cacheblend_prefill(model, ctx, 0.15 if ratio is None else ratio)
     aux = AuxScorer.truncated(model, max(1, model.cfg.num_layers // 2)) if aux is None else aux
     aux_ctx = None
     if not aux.shares_main_layers and aux.context == "reuse":
@@ -63,8 +63,7 @@ def rag_prefill(
         aux.check_tokenizer(model)
         aux_ctx = assemble(aux.model, aux_store, prefix_tokens, chunk_token_lists, query_tokens,
                            max_new_tokens=max_new_tokens, long_rope=ctx.long_rope)
-    return cacheclip_prefill(model, ctx, aux, 0.2 if ratio is None else ratio, grouping=grouping, aux_ctx=aux_ctx,
-                             **common)
+    return cacheclip_prefill(model, ctx, aux, 0.2 if ratio is None else ratio, grouping=grouping, aux_ctx=aux_ctx)
 
 
 def greedy_continue(model: Model, prefilled: RagPrefill, max_new_tokens: int) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""The common end of every RAG prefill method: recompute some slots over the assembled K/V with the main
-model, write the result into a paged `KVState`, and return it with the logits at the query's last token."""
+"""The common end of every RAG prefill method: recompute some slots of the assembled context's state with the
+main model, and return that state with the logits at the query's last token."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import numpy as np
 
 from kvjax.models.loading import Model
 from kvjax.rag.assemble import AssembledContext
-from kvjax.rag.cache_state import default_capacity, state_from_kv
 from kvjax.rag.selective import selective_forward
 from kvjax.cache.state import KVState
 
@@ -38,26 +37,22 @@ def with_query(chunk_slots: np.ndarray, ctx: AssembledContext) -> jax.Array:
     return jnp.asarray(np.concatenate([np.sort(chunk_slots), ctx.query_slots]).astype(np.int32)[None])
 
 
-def store_result(model: Model, ctx: AssembledContext, k_layers, v_layers, logits, recomputed, *, max_new_tokens: int,
-                 capacity: int | None, page_size: int) -> RagPrefill:
-    """Write final per-layer K/V `[1, S, H, D]` into a paged state sized for `max_new_tokens` more tokens."""
-    capacity = default_capacity(ctx.num_slots, max_new_tokens) if capacity is None else capacity
-    state = state_from_kv(model.cfg, k_layers, v_layers, ctx.positions[None], capacity=capacity, page_size=page_size,
-                          long_rope=ctx.long_rope)
-    return RagPrefill(state, logits, recomputed, len(ctx.chunk_slots))
+def take_state(ctx: AssembledContext) -> KVState:
+    """The context's state, which the caller consumes (donates): the context no longer holds it."""
+    state, ctx.state = ctx.state, None
+    if state is None:
+        raise ValueError("this context's state was consumed by an earlier prefill method; assemble the request again")
+    return state
 
 
-def recompute(model: Model, ctx: AssembledContext, chunk_slots, *, max_new_tokens: int = 16, capacity: int | None = None,
-              page_size: int = 16) -> RagPrefill:
+def recompute(model: Model, ctx: AssembledContext, chunk_slots) -> RagPrefill:
     """Recompute `chunk_slots` (slot indices of chunk tokens) and the query at every layer over the
-    assembled K/V (which the call consumes), and return the prefilled request."""
+    assembled context (whose state the call consumes), and return the prefilled request."""
     chunk_slots = np.asarray(chunk_slots, np.int32)
     active = with_query(chunk_slots, ctx)
-    tokens, positions, valid = ctx.batch_arrays()
-    logits, k, v, _ = selective_forward(
-        model.params, ctx.k, ctx.v, tokens, positions, valid, (active,) * model.cfg.num_layers,
-        cfg=model.cfg, dtype=model.dtype, long_rope=ctx.long_rope,
+    tokens, positions = ctx.batch_arrays()
+    logits, state, _ = selective_forward(
+        model.params, take_state(ctx), tokens, positions, (active,) * model.cfg.num_layers,
+        cfg=model.cfg, dtype=model.dtype,
     )
-    ctx.k = ctx.v = None  # donated
-    return store_result(model, ctx, k, v, logits, chunk_slots, max_new_tokens=max_new_tokens, capacity=capacity,
-                        page_size=page_size)
+    return RagPrefill(state, logits, chunk_slots, len(ctx.chunk_slots))

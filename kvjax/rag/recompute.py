@@ -17,6 +17,8 @@ import numpy as np
 from kvjax.models.loading import Model
 from kvjax.models import first_layers
 from kvjax.rag.assemble import AssembledContext
+from kvjax.cache.state import KVState
+from kvjax.rag.cache_state import state_from_kv
 from kvjax.rag.prefill import RagPrefill, recompute
 from kvjax.rag.selective import selective_forward_keep
 from kvjax.rag.store import check_fingerprint, model_fingerprint
@@ -108,23 +110,32 @@ class AuxScorer:
         """`f32[n]`: a score per chunk slot of `ctx` (`ctx.chunk_slots` order). `aux_ctx` is the same request
         assembled from the auxiliary model's store (needed with context="reuse" unless shares_main_layers)."""
         L = self.model.cfg.num_layers
-        tokens, positions, valid = ctx.batch_arrays()
+        tokens, positions = ctx.batch_arrays()
         if self.context == "full":
-            k = v = tuple(jnp.zeros_like(x) for x in ctx.k[:1] * L)  # every slot is written before it is read
-            all_slots = jnp.arange(ctx.num_slots, dtype=jnp.int32)[None]
-            active = (all_slots,) * L
+            state = blank_context(self.model, ctx)  # every slot is written before it is read
+            active = (jnp.arange(ctx.num_slots, dtype=jnp.int32)[None],) * L
         else:
             source = ctx if self.shares_main_layers else aux_ctx
             if source is None:
                 raise ValueError("an auxiliary model with its own layers needs aux_ctx, assembled from its chunk store")
-            k, v = tuple(source.k[:L]), tuple(source.v[:L])
+            if source.state is None:
+                raise ValueError("the context's state was consumed by a prefill method: score before recomputing")
+            state = source.state  # read, not consumed: layers 0..L-1 (the main model's first, when shared)
             active = (jnp.asarray(ctx.query_slots[None]),) * L
-        _, _, _, probs = selective_forward_keep(
-            self.model.params, k, v, tokens, positions, valid, active, cfg=self.model.cfg, dtype=self.model.dtype,
-            long_rope=ctx.long_rope, probs_layer=L - 1,
+        _, _, probs = selective_forward_keep(
+            self.model.params, state, tokens, positions, active, cfg=self.model.cfg, dtype=self.model.dtype,
+            probs_layer=L - 1,
         )
-        query_rows = probs[0, -ctx.query_len :]  # [Q, S]
+        query_rows = probs[0, -ctx.query_len :]  # [Q, S']
         return np.asarray(jnp.mean(query_rows, axis=0))[ctx.chunk_slots]
+
+
+def blank_context(model: Model, ctx: AssembledContext) -> KVState:
+    """A state of `model`'s layers holding zeros at `ctx`'s slots and positions, for a forward that computes
+    every slot (the auxiliary model's full prefill)."""
+    cfg = model.cfg
+    zeros = jnp.zeros((cfg.num_layers, 1, ctx.num_slots, cfg.num_kv_heads, cfg.head_dim), model.dtype)
+    return state_from_kv(cfg, zeros, zeros, ctx.positions[None], capacity=ctx.num_slots, long_rope=ctx.long_rope)
 
 
 def cacheclip_prefill(
@@ -137,14 +148,10 @@ def cacheclip_prefill(
     threshold: int = 5,
     grouping: bool = True,
     aux_ctx: AssembledContext | None = None,
-    max_new_tokens: int = 16,
-    capacity: int | None = None,
-    page_size: int = 16,
 ) -> RagPrefill:
     """Score with `aux`, choose round(ratio x chunk tokens) tokens (window grouping unless `grouping=False`),
-    recompute them and the query with the main model over the assembled K/V (consumed), return the request."""
+    recompute them and the query with the main model over the assembled context (consumed), return the request."""
     scores = aux.scores(ctx, aux_ctx)
     budget = budget_for(ratio, len(scores))
     chosen = group_windows(scores, budget, window, threshold) if grouping else top_tokens(scores, budget)
-    return recompute(model, ctx, ctx.chunk_slots[chosen], max_new_tokens=max_new_tokens, capacity=capacity,
-                     page_size=page_size)
+    return recompute(model, ctx, ctx.chunk_slots[chosen])
