@@ -9,7 +9,7 @@ import pytest
 
 import kvjax
 from _sharding_worker import VOCAB
-from kvjax.engine.generation import prefill_rows
+from kvjax.engine.generation import PrefillPlan, prefill_rows
 from kvjax.serving.batch_engine import BatchEngine
 from kvjax.serving.prefix_states import PrefixStates, chunk_boundaries
 from kvjax.cache.state import gather_layer
@@ -29,8 +29,8 @@ def _at(prompt):
 
 
 def _prefill(model, prompt, policy, **reuse):
-    return prefill_rows(model, [np.asarray(prompt, np.int32)], policy, PAGE_SIZE, CAPACITY, CHUNK, CAPACITY, 16,
-                        **reuse)
+    plan = PrefillPlan(policy, PAGE_SIZE, CAPACITY, CHUNK, CAPACITY, 16, **reuse)
+    return prefill_rows(model, [np.asarray(prompt, np.int32)], plan)
 
 
 @pytest.mark.parametrize("case_id", ["full", "snapkv", "h2o", "quest"])

@@ -27,9 +27,9 @@ from kvjax.distributed.state import (
 from kvjax.engine.generation import (
     DEFAULT_STEPS_PER_DISPATCH,
     as_token_lists,
-    bucketed,
     generate_rows,
     policy_or_full,
+    PrefillPlan,
     prefill_rows,
 )
 from kvjax.engine.step import OneDevice, StepBackend, append_step, compress_step
@@ -143,13 +143,9 @@ def prefill_sharded(
     model, plan = _placed(model, mesh, on_indivisible)
     rows = _padded_rows(as_token_lists(prompt_ids, model.cfg.vocab_size), plan.data)
     longest = max(len(r) for r in rows)
-    if capacity is None:
-        declared, reserve, capacity = longest + max_new_tokens, max_new_tokens, bucketed(longest + max_new_tokens)
-    else:
-        declared, reserve = capacity, 0
-    state, logits = prefill_rows(
-        model, rows, policy, page_size, capacity, chunk_size, declared, reserve, _backend(mesh, plan)
-    )
+    prefill_plan = PrefillPlan.for_prompts(policy, longest, max_new_tokens, capacity, page_size, chunk_size,
+                                           backend=_backend(mesh, plan))
+    state, logits = prefill_rows(model, rows, prefill_plan)
     return state, logits, plan
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from kvjax.cache.attention import dense_causal_attention
 from kvjax.cache.state import KVState, overflow_error
 from kvjax.engine.generation import (
-    DEFAULT_CHUNK_SIZE, DEFAULT_STEPS_PER_DISPATCH, as_token_lists, bucketed, check_context, generate_rows, policy_or_full, prefill_rows,
+    DEFAULT_CHUNK_SIZE, DEFAULT_STEPS_PER_DISPATCH, as_token_lists, check_context, generate_rows, policy_or_full, PrefillPlan, prefill_rows,
 )
 from kvjax.engine.step import LOCAL_BACKEND, StepBackend
 from kvjax.models import CausalLM
@@ -85,12 +85,8 @@ def prefill(
     rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
     longest = max(len(r) for r in rows)
     check_context(model.cfg, longest, 0, allow_longer_context)
-    if capacity is None:
-        # LongRoPE decides from the declared length, not from the bucketed capacity
-        declared, reserve, capacity = longest + max_new_tokens, max_new_tokens, bucketed(longest + max_new_tokens)
-    else:
-        declared, reserve = capacity, 0
-    return prefill_rows(model, rows, policy, page_size, capacity, chunk_size, declared, reserve, progress=progress)
+    plan = PrefillPlan.for_prompts(policy, longest, max_new_tokens, capacity, page_size, chunk_size, progress=progress)
+    return prefill_rows(model, rows, plan)
 
 
 def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None = None) -> tuple[jax.Array, KVState]:

@@ -7,6 +7,7 @@ attends; C = 1 decodes) through a `StepBackend`: one device by default, a mesh f
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Generator, NamedTuple, Sequence
 
 import jax
@@ -111,46 +112,52 @@ class PrefillCarry(NamedTuple):
     tokens: int
 
 
-def prefill_rows(
-    model: Model,
-    rows: list[np.ndarray],
-    policy: Policy,
-    page_size: int,
-    capacity: int,
-    chunk_size: int,
-    declared_length: int,
-    reserve_tokens: int,
-    backend: StepBackend | None = None,
-    progress: bool = False,
-    resume: PrefillCarry | None = None,
-    on_chunk: Callable[[PrefillCarry], None] | None = None,
-) -> tuple[KVState, jax.Array]:
-    """Chunked prefill of validated token rows on `backend` (default: one device, `LOCAL_BACKEND`), with
-    `capacity` tokens per (layer, head), LongRoPE decided from `declared_length`, and room for
-    `reserve_tokens` more tokens after compression. `progress` shows a bar over the chunks of a prompt of
-    several chunks; `resume` and `on_chunk` reuse a prefix's prefill (`prefill_chunk_steps`). Returns
-    `(state, logits f32[B, V])`."""
-    return run_to_end(prefill_row_steps(
-        model, rows, policy, page_size, capacity, chunk_size, declared_length, reserve_tokens, backend, progress,
-        resume, on_chunk,
-    ))
+@dataclasses.dataclass(frozen=True)
+class PrefillPlan:
+    """How a chunked prefill runs (`prefill_rows`): `policy`, `capacity` tokens per (layer, head) in pages of
+    `page_size`, chunks of up to `chunk_size` tokens, LongRoPE decided from `declared_length`, room for
+    `reserve_tokens` more tokens after compression, on `backend` (None: one device, `LOCAL_BACKEND`).
+    `progress` shows a bar over the chunks of a prompt of several; `resume` and `on_chunk` reuse a prefix's
+    prefill (`prefill_chunk_steps`)."""
+
+    policy: Policy
+    page_size: int
+    capacity: int
+    chunk_size: int
+    declared_length: int
+    reserve_tokens: int
+    backend: StepBackend | None = None
+    progress: bool = False
+    resume: PrefillCarry | None = None
+    on_chunk: Callable[[PrefillCarry], None] | None = None
+
+    @classmethod
+    def for_prompts(cls, policy: Policy, longest: int, max_new_tokens: int, capacity: int | None, page_size: int,
+                    chunk_size: int, **rest) -> "PrefillPlan":
+        """`prefill`'s sizing: with no `capacity`, the longest prompt plus `max_new_tokens` (LongRoPE decides
+        from that length; the capacity rounds it up to `CAPACITY_BUCKET`) with `max_new_tokens` reserved; with
+        one, LongRoPE decides from the capacity and nothing is reserved."""
+        if capacity is None:
+            declared = longest + max_new_tokens
+            return cls(policy, page_size, bucketed(declared), chunk_size, declared, max_new_tokens, **rest)
+        return cls(policy, page_size, capacity, chunk_size, capacity, 0, **rest)
+
+
+def prefill_rows(model: Model, rows: list[np.ndarray], plan: PrefillPlan) -> tuple[KVState, jax.Array]:
+    """Chunked prefill of validated token rows as `plan` says. Returns `(state, logits f32[B, V])`."""
+    return run_to_end(prefill_row_steps(model, rows, plan))
 
 
 def prefill_row_steps(
-    model: Model, rows: list[np.ndarray], policy: Policy, page_size: int, capacity: int, chunk_size: int,
-    declared_length: int, reserve_tokens: int, backend: StepBackend | None = None, progress: bool = False,
-    resume: PrefillCarry | None = None, on_chunk: Callable[[PrefillCarry], None] | None = None,
+    model: Model, rows: list[np.ndarray], plan: PrefillPlan
 ) -> Generator[None, None, tuple[KVState, jax.Array]]:
     """`prefill_rows` one chunk at a time: a generator that yields after every chunk's step (so a caller
     can run other work between chunks, as the batch engine runs decode dispatches) and returns
     `(state, logits)` after the compression."""
-    backend = backend or LOCAL_BACKEND
-    state, window, logits = yield from prefill_chunk_steps(
-        model, rows, policy, page_size, capacity, chunk_size, declared_length, reserve_tokens, backend, progress,
-        resume, on_chunk,
-    )
+    backend, policy = plan.backend or LOCAL_BACKEND, plan.policy
+    state, window, logits = yield from prefill_chunk_steps(model, rows, plan)
     if policy.compresses and policy.chunks is None:
-        state = compress_prefilled(model, state, window, policy, [len(r) for r in rows], reserve_tokens, backend)
+        state = compress_prefilled(model, state, window, policy, [len(r) for r in rows], plan.reserve_tokens, backend)
     return policy.attach_sketch(state), logits  # a selector's key sketch, fitted on the compressed cache
 
 
@@ -164,18 +171,7 @@ def run_to_end(steps: Generator):
 
 
 def prefill_chunk_steps(
-    model: Model,
-    rows: list[np.ndarray],
-    policy: Policy,
-    page_size: int,
-    capacity: int,
-    chunk_size: int,
-    declared_length: int,
-    reserve_tokens: int,
-    backend: StepBackend | None = None,
-    progress: bool = False,
-    resume: PrefillCarry | None = None,
-    on_chunk: Callable[[PrefillCarry], None] | None = None,
+    model: Model, rows: list[np.ndarray], plan: PrefillPlan
 ) -> Generator[None, None, tuple[KVState, Any, jax.Array]]:
     """A generator yielding after every chunk's step (`prefill_row_steps`; `run_to_end` runs it through):
     `prefill_rows` up to, not including, the compression after prefill: every chunk appended (and, with a
@@ -187,7 +183,9 @@ def prefill_chunk_steps(
     state), and `resume`, such a carry taken from a prompt with the same first `resume.tokens` tokens,
     starts the prefill there. The chunks are the ones a prefill from scratch runs (C from the whole
     prompt), so the result equals it: only the physical pages differ (`kvjax.cache.rows.insert_row`)."""
-    backend = backend or LOCAL_BACKEND
+    backend, policy, page_size, capacity = plan.backend or LOCAL_BACKEND, plan.policy, plan.page_size, plan.capacity
+    reserve_tokens, chunk_size, progress = plan.reserve_tokens, plan.chunk_size, plan.progress
+    resume, on_chunk = plan.resume, plan.on_chunk
     cfg = model.cfg
     policy.validate(page_size)
     lengths = np.array([len(r) for r in rows], np.int32)
@@ -208,7 +206,7 @@ def prefill_chunk_steps(
         read_bound = tuple(bounded if compressed_layer(policy, l, cfg.windows) else full for l in range(cfg.num_layers))
         num_pages = B * cfg.num_kv_heads * sum(read_bound)
     state = backend.new_state(
-        cfg, B, capacity, page_size, num_pages, model.cache_dtype, uses_long_factors(cfg, declared_length), read_bound
+        cfg, B, capacity, page_size, num_pages, model.cache_dtype, uses_long_factors(cfg, plan.declared_length), read_bound
     )
     keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths - tails)
     policy_params = chunks.params if per_chunk else None
@@ -303,10 +301,8 @@ def generate_rows(
     needed = longest + max_new_tokens
     capacity = bucketed(needed) if capacity is None else capacity
 
-    state, logits = prefill_rows(
-        model, [r[: len(r) - decode_last] for r in rows], policy, page_size, capacity, chunk_size, needed,
-        max_new_tokens + decode_last, backend, progress,
-    )
+    plan = PrefillPlan(policy, page_size, capacity, chunk_size, needed, max_new_tokens + decode_last, backend, progress)
+    state, logits = prefill_rows(model, [r[: len(r) - decode_last] for r in rows], plan)
     return continue_rows(
         model, state, logits, [r[len(r) - decode_last :] for r in rows], max_new_tokens, policy,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, return_logprobs=return_logprobs,

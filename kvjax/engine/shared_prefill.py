@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from kvjax.engine.generation import (
     DEFAULT_CHUNK_SIZE, as_token_lists, bucketed, check_context, compress_prefilled,
-    policy_or_full, prefill_chunk_steps, run_to_end,
+    policy_or_full, PrefillPlan, prefill_chunk_steps, run_to_end,
 )
 from kvjax.models.loading import Model
 from kvjax.policies import LayerView, Policy
@@ -83,10 +83,9 @@ def shared_prefill(
     check_context(model.cfg, longest, reserve_tokens, allow_longer_context)
     capacity = bucketed(longest + reserve_tokens) if capacity is None else capacity
     capture = capture_for(policies)
-    state, window, logits = run_to_end(prefill_chunk_steps(
-        model, rows, capture, page_size, capacity, chunk_size, longest + reserve_tokens,
-        reserve_tokens, progress=progress,
-    ))
+    plan = PrefillPlan(capture, page_size, capacity, chunk_size, longest + reserve_tokens, reserve_tokens,
+                       progress=progress)
+    state, window, logits = run_to_end(prefill_chunk_steps(model, rows, plan))
     return SharedPrefill(state, window, logits, tuple(len(r) for r in rows), reserve_tokens, capture)
 
 

@@ -21,6 +21,7 @@ from kvjax.engine.generation import (
     as_token_lists,
     feed_tokens,
     policy_or_full,
+    PrefillPlan,
     prefill_row_steps,
 )
 from kvjax.models.loading import Model
@@ -328,10 +329,9 @@ class BatchEngine:
                    self.chunk_size, str(model.cache_dtype))
             resume = self.prefix.lookup(key, boundaries, len(head))
             on_chunk = lambda carry: self.prefix.store(key, boundaries, carry)  # noqa: E731
-        state, logits = yield from prefill_row_steps(
-            model, [head], request.policy, self.page_size, self.capacity, self.chunk_size, declared,
-            request.max_new_tokens + tail, self.backend, resume=resume, on_chunk=on_chunk,
-        )
+        plan = PrefillPlan(request.policy, self.page_size, self.capacity, self.chunk_size, declared,
+                           request.max_new_tokens + tail, self.backend, resume=resume, on_chunk=on_chunk)
+        state, logits = yield from prefill_row_steps(model, [head], plan)
         state, logits = feed_tokens(model, state, logits, [prompt[len(prompt) - tail:]], request.policy, self.backend)
         self._sample_first(request, state, logits, uses_long_factors(model.cfg, declared), boundaries)
 
