@@ -239,25 +239,27 @@ def accuracy_table_with_load(result: dict) -> str:
 def selection_headline(results: list, budgets=(128, 256)) -> str:
     """The README's selection digest: one row per policy, one column per (task, length, budget) over the
     sweeps given (e.g. the 2K and the 4K selection sweeps) at `budgets` (the aim's), then the samples
-    behind each column."""
+    behind each column. Sweeps of the same cells with other seeds are pooled (`eval.selection_aim.pooled`)."""
+    from .selection_aim import pooled
+
     short = {"real_passkey": "passkey", "niah_single": "needle"}
+    cells = pooled(results)
+    groups = list(dict.fromkeys((task, n) for task, n, _, _ in cells))
+    policies = list(dict.fromkeys(p for result in results for p in result["policies"]))
     columns, notes = [], []
-    for result in results:
-        for task in result["tasks"]:
-            for n in result["lengths"]:
-                cells = [r for r in result["accuracy"] if r["task"] == task and r["length"] == n]
-                if not cells:
-                    continue
-                shown = [r for r in cells if r["budget"] in (None, *budgets)]
-                notes.append(f"{short.get(task, task)} {n // 1024}K: {max(r['samples'] for r in shown)}")
-                for b in (b for b in result["budgets"] if b in budgets):
-                    columns.append((f"{short.get(task, task)} {n // 1024}K @{b}", cells, b))
+    for task, n in groups:
+        shown = [b for b in budgets if any(key[:2] == (task, n) and key[3] == b for key in cells)]
+        if not shown:
+            continue
+        samples = max(v[1] for key, v in cells.items() if key[:2] == (task, n) and key[3] in (None, *shown))
+        notes.append(f"{short.get(task, task)} {n // 1024}K: {samples}")
+        columns += [(f"{short.get(task, task)} {n // 1024}K @{b}", task, n, b) for b in shown]
     rows = []
-    for policy in results[0]["policies"]:
+    for policy in policies:
         row = [policy.replace(":dense_layers=2", "")]
-        for _, cells, b in columns:
-            hit = [r for r in cells if r["policy"] == policy and r["budget"] == (None if policy == "full" else b)]
-            row.append(f"{100 * hit[0]['accuracy']:.0f}%" if hit else "")
+        for _, task, n, b in columns:
+            hit = cells.get((task, n, policy, None if policy == "full" else b))
+            row.append(f"{100 * hit[0]:.0f}%" if hit else "")
         rows.append(row)
     return (markdown_table(["policy"] + [c[0] for c in columns], rows).rstrip()
             + "\n\nSamples a cell: " + "; ".join(notes) + ".")
