@@ -253,16 +253,16 @@ def selection_headline(results: list, budgets=(128, 256)) -> str:
             continue
         samples = max(v[1] for key, v in cells.items() if key[:2] == (task, n) and key[3] in (None, *shown))
         notes.append(f"{short.get(task, task)} {n // 1024}K: {samples}")
-        columns += [(f"{short.get(task, task)} {n // 1024}K @{b}", task, n, b) for b in shown]
+        columns += [(f"{short.get(task, task)} {n // 1024}K @{b}", task, n, b, samples) for b in shown]
     rows = []
     for policy in policies:
         row = [policy.replace(":dense_layers=2", "")]
-        for _, task, n, b in columns:
+        for _, task, n, b, most in columns:
             hit = cells.get((task, n, policy, None if policy == "full" else b))
-            row.append(f"{100 * hit[0]:.0f}%" if hit else "")
+            row.append("" if not hit else f"{100 * hit[0]:.0f}%" + (f" ({hit[1]})" if hit[1] < most else ""))
         rows.append(row)
     return (markdown_table(["policy"] + [c[0] for c in columns], rows).rstrip()
-            + "\n\nSamples a cell: " + "; ".join(notes) + ".")
+            + "\n\nSamples a cell: " + "; ".join(notes) + " (fewer where a cell says so in brackets).")
 
 
 def headline_table(result: dict, quest: str = "quest:dense_layers=2") -> str:
