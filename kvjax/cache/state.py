@@ -342,7 +342,8 @@ def page_minmax(state: KVState, pages: jax.Array, num_valid: jax.Array):
 def write_slots(state: KVState, layer, slots: jax.Array, k: jax.Array, v: jax.Array) -> KVState:
     """Overwrite the K/V of existing logical `slots int32[B, n]` (the same slots in every head) of `layer`
     with `k, v [B, n, H, D]`, and recompute the layer's `kmin`/`kmax` exactly. Positions, lengths and scores
-    are unchanged. How a RAG context recomputes some of its reused slots in place (`kvjax.rag.selective`)."""
+    are unchanged. How a RAG context recomputes some of its reused slots in place (`kvjax.rag.selective`). The
+    layer must have no eviction hole (`hole`): the min/max counts every slot below the length."""
     if state.key_sketch is not None:
         raise ValueError("write_slots does not rewrite key-sketch rows: attach a selector's sketch after the writes")
     ps = state.page_size
