@@ -11,6 +11,7 @@ from __future__ import annotations
 
 AIM = {128: 0.90, 256: 0.95}
 ORACLE = "oracle_page:dense_layers=2"
+SHORT_TASK = {"real_passkey": "passkey", "niah_single": "needle"}  # column and row labels
 
 
 def pooled(results: list) -> dict:
@@ -55,7 +56,6 @@ def render(results) -> str:
     from ._report import markdown_table
 
     results = results if isinstance(results, list) else [results]
-    short = {"real_passkey": "passkey", "niah_single": "needle"}
     table = []
     for r in aim_rows(results):
         oracle = "" if r["oracle"] is None or r["policy"] == ORACLE else f"{100 * r['oracle']:.0f}%"
@@ -65,7 +65,7 @@ def render(results) -> str:
             verdict = "no: the ceiling is short of it"
         else:
             verdict = "held to the oracle: yes" if r["holds"] else "no"
-        table.append([f"{short.get(r['task'], r['task'])} {r['length'] // 1024}K", r["policy"].replace(":dense_layers=2", ""),
+        table.append([f"{SHORT_TASK.get(r['task'], r['task'])} {r['length'] // 1024}K", r["policy"].replace(":dense_layers=2", ""),
                       r["budget"], f"{100 * r['full']:.0f}% ({r['full_samples']})",
                       f"{100 * r['accuracy']:.0f}% ({r['samples']})", f"{100 * r['share']:.0f}%", oracle, verdict])
     return markdown_table(["task", "selector", "budget", "full (samples)", "selector (samples)", "share of full",

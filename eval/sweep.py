@@ -240,9 +240,8 @@ def selection_headline(results: list, budgets=(128, 256)) -> str:
     """The README's selection digest: one row per policy, one column per (task, length, budget) over the
     sweeps given (e.g. the 2K and the 4K selection sweeps) at `budgets` (the aim's), then the samples
     behind each column. Sweeps of the same cells with other seeds are pooled (`eval.selection_aim.pooled`)."""
-    from .selection_aim import pooled
+    from .selection_aim import SHORT_TASK as short, pooled
 
-    short = {"real_passkey": "passkey", "niah_single": "needle"}
     cells = pooled(results)
     groups = list(dict.fromkeys((task, n) for task, n, _, _ in cells))
     policies = list(dict.fromkeys(p for result in results for p in result["policies"]))

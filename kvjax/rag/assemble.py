@@ -19,7 +19,8 @@ import numpy as np
 from kvjax.cache.state import KVState, gather_layer
 from kvjax.models.config import ModelConfig
 from kvjax.models.loading import Model
-from kvjax.rag.cache_state import default_capacity, state_from_kv
+from kvjax.engine.generation import bucketed
+from kvjax.rag.cache_state import state_from_kv
 from kvjax.rag.rope_shift import check_shiftable, rotate_keys, shift_keys
 from kvjax.rag.store import ChunkKV, ChunkStore, check_fingerprint, model_fingerprint
 from kvjax.models.rope import uses_long_factors
@@ -98,7 +99,7 @@ def assemble(
     chunk keeps its encoding positions P..P+T_i-1 and the query follows the longest (APE-style parallel
     encoding). `long_rope` defaults to LongRoPE's rule for the assembled length plus `max_new_tokens`. The
     state holds `capacity` tokens per (layer, head) in pages of `page_size` (default: the context plus
-    `max_new_tokens`, rounded up to 256).
+    `max_new_tokens`, rounded up as `kvjax.prefill` rounds: `bucketed`).
     Raises `ChunkMismatchError` if the store belongs to another model or tokenizer, `RopeShiftError` if
     rotated keys would cross LongRoPE's factor switch, `NotImplementedError` for a model with sliding
     windows.
@@ -140,7 +141,7 @@ def assemble(
         long_rope=bool(long_rope), query_len=query_len,
     )
     tokens = np.concatenate([e.tokens for e in entries] + [query])
-    capacity = default_capacity(len(tokens), max_new_tokens) if capacity is None else capacity
+    capacity = bucketed(len(tokens) + max_new_tokens) if capacity is None else capacity
     state = state_from_kv(model.cfg, k, v, positions[None], capacity=capacity, page_size=page_size,
                           long_rope=bool(long_rope))
     return AssembledContext(tokens, positions, state, P, spans, query_len, bool(long_rope))

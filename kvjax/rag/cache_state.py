@@ -10,13 +10,6 @@ import jax.numpy as jnp
 from kvjax.models.config import ModelConfig
 from kvjax.cache.state import KVState, allocate_for_append, append_to_layer, init_state, overflow_error, pages_for
 
-CAPACITY_BUCKET = 256  # as kvjax.engine.generation: nearby lengths share compiles
-
-
-def default_capacity(num_tokens: int, max_new_tokens: int) -> int:
-    """Tokens per (layer, head) for a context of `num_tokens` plus `max_new_tokens`, rounded up to 256."""
-    return -(-(num_tokens + max_new_tokens) // CAPACITY_BUCKET) * CAPACITY_BUCKET
-
 
 @functools.partial(jax.jit, static_argnames=("cfg", "capacity", "page_size", "long_rope"))
 def _write(k_layers, v_layers, positions, num_tokens, *, cfg: ModelConfig, capacity: int, page_size: int, long_rope: bool):
