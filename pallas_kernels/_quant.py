@@ -1,12 +1,6 @@
 """int8 KV pages: symmetric quantisation with one float32 scale per stored token (per page slot).
 
-A page holds one kv head, so a slot's scale covers that token's `head_dim` values of one head. Per-token
-scales suit an append-only cache: a token is quantised once, when written, and never again; a per-page
-scale would have to grow (and requantise the page) whenever a later token exceeds the range. The cost is 4
-bytes of scale per `head_dim` bytes of int8 (a 64-wide head stores 68 bytes for K instead of 256 in
-float32). Every reader multiplies by the scale on the fly: the kernels and the CPU path see int8 pages
-plus `[N, ps]` scales, and the pure-jnp oracle dequantises first.
-"""
+Notes: docs/modules.md (`pallas_kernels/_quant.py`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Static input checks shared by every kernel and backend.
 
-Shapes, dtypes and page-size rules are checked here, before any kernel body runs, so an error names the
-argument that was wrong and what was expected. Dynamic facts (lengths within capacity) cannot be checked
-under `jit`; the docstrings of the public functions state them as preconditions.
-"""
+Notes: docs/modules.md (`pallas_kernels/_validation.py`)."""
 
 from __future__ import annotations
 

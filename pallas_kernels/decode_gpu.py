@@ -1,14 +1,6 @@
 """Paged decode attention as a Pallas GPU kernel (Triton backend) that gathers pages in-kernel.
 
-GPU Pallas has no scalar prefetch, so the read list (physical page and valid slot count of each entry)
-is computed in XLA and passed as ordinary int32 inputs; the kernel loads a block of page ids and gathers
-those pages straight from the pool with one vector-indexed load (no gathered copy in HBM), then folds
-them into an online softmax. Query rows are padded to 16 so both products use tensor-core dots. Grid:
-(batch, selection row, sequence split); splits are merged in XLA.
-
-The Triton backend is deprecated from JAX 0.11 (Mosaic GPU is the future); where this JAX no longer has
-it, `decode_gpu` falls back to the XLA path with a warning. See docs/kernels.md for what ran natively.
-"""
+Notes: docs/modules.md (`pallas_kernels/decode_gpu.py`)."""
 
 from __future__ import annotations
 

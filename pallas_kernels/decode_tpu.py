@@ -1,13 +1,6 @@
 """Paged decode attention as a Pallas Mosaic (TPU) kernel; runs on CPU under the TPU interpreter.
 
-The page table, lengths and (for sparse decode) the selection are scalar-prefetched into SMEM. K and V
-stay in HBM (`memory_space=ANY`); each grid step copies one block of `pages_per_block` pages into VMEM with
-one DMA per page, double-buffered along the block axis, and folds it into an online softmax. Entries
-with no valid slot are neither copied nor computed. A row of the grid serves the query heads that share
-one selection (one query head, or a kv head's whole group), so a kv head's pages are read once per group
-when the selection is per kv head. Long budgets split along the sequence (a parallel grid axis,
-flash-decoding style) and the partial results are merged in XLA.
-"""
+Notes: docs/modules.md (`pallas_kernels/decode_tpu.py`)."""
 
 from __future__ import annotations
 

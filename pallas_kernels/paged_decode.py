@@ -1,10 +1,6 @@
 """Decode attention over a paged KV pool: sparse (selected pages + the current page) and dense.
 
-The public entry points validate their inputs, clean the selection and dispatch to a backend:
-"reference" (the pure-jnp oracle), "xla" (tuned for CPU, the CPU default), "pallas_tpu" (Mosaic kernel
-with scalar-prefetched tables), "pallas_gpu" (Pallas Triton kernel gathering pages in-kernel) or, by name
-only, "pallas_mosaic_gpu" (Pallas Mosaic GPU kernel gathering pages by TMA; never run on a GPU).
-"""
+Notes: docs/modules.md (`pallas_kernels/paged_decode.py`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Quest page scores and top-page selection.
+"""Quest page scores (an upper bound of q.k from each page's key min/max) and top-page selection.
 
-The score of logical page p for query head h is sum_d max(q_d * kmin_d, q_d * kmax_d) with the page's
-per-dimension key min/max: an upper bound of q.k over the page's keys. Pages past the used ones and the
-current page (always attended) score -inf. The kernels use the equivalent two-product form
-q+ . kmax + q- . kmin (q+ = max(q, 0), q- = min(q, 0), exact per term since kmin <= kmax).
-"""
+Notes: docs/modules.md (`pallas_kernels/quest_scores.py`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Quest page scores as a Pallas GPU kernel (Triton backend), gathering kmin/kmax rows in-kernel.
 
-Grid: (batch, kv head, page block). Each program loads a block of the page table, gathers those pages'
-kmin/kmax rows with vector-indexed loads and scores them for the kv head's group (query rows padded to
-16 for tensor-core dots). Falls back to the XLA path where this JAX has no Triton backend.
-"""
+Notes: docs/modules.md (`pallas_kernels/quest_scores_gpu.py`)."""
 
 from __future__ import annotations
 

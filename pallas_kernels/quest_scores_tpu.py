@@ -1,10 +1,6 @@
 """Quest page scores as a Pallas Mosaic (TPU) kernel; runs on CPU under the TPU interpreter.
 
-Page table and lengths are scalar-prefetched into SMEM; kmin/kmax stay in HBM and each grid step copies
-the rows of one block of pages into VMEM (one small DMA per page and array, only for used pages), then
-scores the block for the kv head's whole group with two MXU products (q+ . kmax + q- . kmin).
-Grid: (batch, kv head, page block), all parallel.
-"""
+Notes: docs/modules.md (`pallas_kernels/quest_scores_tpu.py`)."""
 
 from __future__ import annotations
 

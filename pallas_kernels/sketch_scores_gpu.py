@@ -1,10 +1,6 @@
 """Sketch page scores as a Pallas GPU kernel (Triton backend), gathering the pages' code rows in-kernel.
 
-Grid: (batch, kv head, page block). Each program loads a block of the page table and, for each slot
-offset of a page, gathers that slot's code row of every page in the block with a vector-indexed load,
-scores it for the kv head's group (query rows padded to 16 for tensor-core dots) and keeps the running
-maximum over the slots. Falls back to the XLA path where this JAX has no Triton backend.
-"""
+Notes: docs/modules.md (`pallas_kernels/sketch_scores_gpu.py`)."""
 
 from __future__ import annotations
 

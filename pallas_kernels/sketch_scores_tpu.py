@@ -1,10 +1,6 @@
 """Sketch page scores as a Pallas Mosaic (TPU) kernel; runs on CPU under the TPU interpreter.
 
-Page table and lengths are scalar-prefetched into SMEM; the codes stay in HBM and each grid step copies
-the `[ps, R]` code rows of one block of pages into VMEM (one DMA per used page), then scores each page for
-the kv head's whole query group with one MXU product (two for 4-bit codes, one per nibble) and keeps the
-best slot. Grid: (batch, kv head, page block), all parallel.
-"""
+Notes: docs/modules.md (`pallas_kernels/sketch_scores_tpu.py`)."""
 
 from __future__ import annotations
 

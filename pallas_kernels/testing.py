@@ -1,9 +1,6 @@
 """Builders of random paged-attention inputs for tests and benchmarks (numpy, host side).
 
-Pages are handed out in a random order, so logical order never matches physical order; every slot
-that is not valid (unused pages, slots past a head's length) is NaN, so a kernel that reads one shows it.
-kmin/kmax are exact over valid slots, +inf/-inf on pages never written.
-"""
+Notes: docs/modules.md (`pallas_kernels/testing.py`)."""
 
 from __future__ import annotations
 

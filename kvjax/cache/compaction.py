@@ -1,12 +1,6 @@
 """Real eviction: keep chosen slots, move them to each head's first pages, free the rest.
 
-`compact_layer` rewrites one layer: the kept slots of (sequence b, head h) land, in the order given, in
-logical slots 0..kept-1 of the same head (so they occupy ceil(kept / page_size) pages); pages past those
-go back on the free stack and leave the page table. `kmin`/`kmax` of the kept pages are recomputed
-exactly. The state's static `read_pages` then bounds the logical pages a compressed layer's attention
-reads, so decode reads (and compiles for) only the pages a bounded policy can still need. `layer` may be a
-traced int32 scalar (the steps scan over layers).
-"""
+Notes: docs/modules.md (`kvjax/cache/compaction.py`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Rows of a batch state: insert a separately prefilled sequence into a free row, release a finished one.
 
-The serving engine (`kvjax.serving.batch_engine`) prefills each request on its own, exactly as `generate`
-does (every policy: chunked prefill, compression after it or per chunk), then inserts the one-sequence
-state into a free row of its decode batch, where the same on-device decode loop as `generate` advances
-every row together; a finished row's pages go back to the batch pool's free stack. (JetStream's prefill /
-insert / generate split.) Both are pure functions of immutable states, jitted once per shape.
-"""
+Notes: docs/modules.md (`kvjax/cache/rows.py`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """Generation over a ("data", "model") mesh: the one step of `kvjax.engine.step`, placed on a stacked state.
 
-The model's dense parts (projections, MLP, norms, logits) run under `jit` on parameters sharded by
-`kvjax.distributed.mesh`; XLA's SPMD partitioner places them and adds the all-reduces. The step's page work
-(allocation, appends, attention over pages, compaction, decode-time eviction) runs per shard under
-`shard_map` (`MeshPlacement`), on the unmodified single-device functions, over the shard's own pool: no
-K/V page ever crosses devices. A policy's decisions (`compress_layer`, `decode_scores`) are taken on the
-global `LayerView`, so methods that look across heads choose exactly what they choose on one device.
-"""
+Notes: docs/modules.md (`kvjax/distributed/generation.py`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""A launcher that starts one command as N processes of JAX's multi-process runtime on this machine, each
-with the environment `kvjax.distributed.initialize` reads (`KVJAX_PROCESS_ID` its own; docs/sharding.md
-has the SLURM and TPU equivalents, one process per host):
+"""A launcher that starts one command as N processes of JAX's multi-process runtime on this machine.
 
-    python -m kvjax.distributed.launch --processes 2 --cpu-devices 2 -- kvjax generate --mesh 2x2 --prompt hi
-"""
+Notes: docs/modules.md (`kvjax/distributed/launch.py`)."""
 
 from __future__ import annotations
 

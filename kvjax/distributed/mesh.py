@@ -1,11 +1,6 @@
 """The ("data", "model") device mesh and the rules that shard a model's parameters over it.
 
-Megatron-style tensor parallelism over "model": query/key/value projections and the MLP's gate/up are
-split by output columns (whole heads, whole MLP units), `o_proj` and `down_proj` by input rows, so each
-device holds the weights of its own heads; XLA's SPMD partitioner adds the two all-reduces per layer.
-Embeddings, norms and the LM head are replicated. Batch rows go over "data". The decoder layers'
-parameters are stacked `[L, ...]`; their leading layer axis is never split (a leading None).
-"""
+Notes: docs/modules.md (`kvjax/distributed/mesh.py`)."""
 
 from __future__ import annotations
 

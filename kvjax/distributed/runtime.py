@@ -1,10 +1,6 @@
 """Joining JAX's multi-process runtime from the environment, before any JAX computation.
 
-    KVJAX_COORDINATOR=HOST:PORT KVJAX_NUM_PROCESSES=N KVJAX_PROCESS_ID=i    explicit (`kvjax.distributed.launch`)
-    KVJAX_DISTRIBUTED=auto                                                 JAX detects it (SLURM, Open MPI, TPU slices)
-
-Neither set: one process, nothing to join.
-"""
+Notes: docs/modules.md (`kvjax/distributed/runtime.py`)."""
 
 from __future__ import annotations
 

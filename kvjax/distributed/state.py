@@ -1,11 +1,6 @@
 """The sharded KV state: one complete paged `KVState` per (data shard, head shard), stacked.
 
-Every array of the stacked state has two leading axes `[Sd, Sm]` (data shards, head shards) placed with
-`PartitionSpec("data", "model")`, so device (d, m) holds exactly shard (d, m): the pages, tables, free
-stack and counters of its batch rows and its kv heads. Page ids are local to a shard. Shard-local code
-runs under `shard_map` on the unmodified single-device functions of `kvjax.cache.state` and
-`kvjax.cache.compaction`, which see an ordinary `KVState` of `B / Sd` rows and `H / Sm` heads.
-"""
+Notes: docs/modules.md (`kvjax/distributed/state.py`)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
 """Data-parallel training of small trainable parameters (Locret's retaining heads) beside a frozen model.
 
-The loss-function interface:
-
-    loss_fn(trainable_params, frozen_params, batch) -> f32[]     (batch: a pytree, leading axis = sequences)
-
-e.g. `functools.partial(kvjax.locret.training.loss_fn, cfg=cfg, dtype=dtype, chunk_size=...)`. A global
-batch of N sequences is split over the mesh's "data" axis into microbatches of N / data sequences (one
-per device for N = data); each device differentiates `loss_fn` on its microbatch and the losses and
-gradients are averaged over "data" (`pmean`). That equals one device accumulating the same microbatches
-(`accumulated_value_and_grad`), which the tests check. Parameters are replicated; devices along "model"
-repeat the same work (the retaining heads and their labels need every head's features).
-"""
+Notes: docs/modules.md (`kvjax/distributed/training.py`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The host loops behind the public API (`kvjax.engine.api`): chunked prefill of rows, the on-device decode
 of rows, feeding given tokens, and the input checks. Subsystems (serving, RAG, distributed) build on them.
 
-The loops drive the jitted steps of `kvjax.engine.step` (one step appends a chunk `[B, C]` to every layer and
-attends; C = 1 decodes) through a `StepBackend`: one device by default, a mesh from `kvjax.distributed`.
-"""
+Notes: docs/modules.md (`kvjax/engine/generation.py`)."""
 
 from __future__ import annotations
 

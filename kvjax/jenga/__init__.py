@@ -1,9 +1,7 @@
 """Jenga's memory manager for caches whose layers differ in per-token size: layer-group specs, a two-level
 page allocator, prefix caching aligned across group types, and typed jnp views of one uint8 device pool.
 
-Pure Python except `views` (jax), loaded on first use. docs/jenga.md says where it fits; `eval/bench_serving.py`
-is its benchmark.
-"""
+Notes: docs/modules.md (`kvjax/jenga/__init__.py`)."""
 
 from kvjax.jenga.allocator import (
     Allocation,

@@ -1,10 +1,7 @@
 """Host-side state of the two-level pool: which large pages are typed as which group, and the state of
 every small page (free, live with a refcount, or cached and evictable in LRU order).
 
-Every mutation is recorded in a `Journal` while one is open, so an allocation that fails half-way (or a
-dry run) is undone exactly and leaves the pool as it was. Policy (which page to take, what to evict) lives
-in kvjax.jenga.allocator; this module only keeps the books.
-"""
+Notes: docs/modules.md (`kvjax/jenga/page_pool.py`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """Typed jnp views of the flat pool: the device side of the PoolLayout.
 
-The pool is one uint8 buffer of num_large_pages * large_page_bytes bytes. A group's view reinterprets it
-(reshape, slice off tail slack, bitcast) as [num_pages(group), *page_shape] of the group's dtype, so the
-attention path indexes it with the page ids the allocator hands out. Writes go through
-`write_typed_pages`, which touches only the bytes of the named pages.
-"""
+Notes: docs/modules.md (`kvjax/jenga/views.py`)."""
 
 from __future__ import annotations
 

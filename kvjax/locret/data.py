@@ -1,12 +1,6 @@
 """LongAlpaca-style training rows for Locret: load, check, tokenize, truncate, batch.
 
-A row has `instruction` (the long document and the question) and `output` (the answer); an Alpaca-style
-`input`, when present and non-empty, is appended to the instruction. Sources: a hub name passed to
-`datasets.load_dataset` (e.g. `Yukang/LongAlpaca-12k`), a local `.json`, `.jsonl` or `.parquet` file, or
-rows built in memory (`kvjax.tasks.longalpaca.real_text_rows`, the offline recipe on long real text).
-Bad rows (a missing or non-string field, an empty answer, text that tokenizes to nothing) are skipped
-and counted by reason, never raised.
-"""
+Notes: docs/modules.md (`kvjax/locret/data.py`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """Locret's training objective and optimizer, as pure functions (the program is `train/locret.py`).
 
-    loss_fn(head_params, model_params, batch, *, cfg, dtype, chunk_size, alpha=0.0025, page_size=16) -> f32[]
-
-`batch` is a `kvjax.locret.labels.Batch` (prefix/answer tokens and lengths, one or more sequences). The
-loss is the mean Smooth-L1 (beta 1) between each layer's head predictions and labels over real prefix
-tokens, plus `alpha` times the sum over layers of the mean squared difference between neighbouring
-predictions (the paper's smoothness term). Gradients flow only into `head_params`; the model is frozen.
-"""
+Notes: docs/modules.md (`kvjax/locret/training.py`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Hugging Face checkpoint <-> kvjax parameters: a declarative name map plus per-tensor transforms.
 
-`hf_name(path)` maps a Flax parameter path such as `("layers", "self_attn", "q_proj", "kernel")` and a layer
-index 3 to the HF tensor name `model.layers.3.self_attn.q_proj.weight`; Dense kernels are transposed. The
-decoder layers' leaves are stacked `[L, ...]` (see `kvjax.models.transformer`): HF's `model.layers.N.x`
-is row N of the stacked `layers/x`. Stacking happens here, once, on the host. Every expected tensor must be
-present with the expected shape; unexpected tensors are reported by name.
-"""
+Notes: docs/modules.md (`kvjax/models/convert.py`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Rotary position embeddings: a registry keyed by HF's `rope_type` (default, linear, llama3, yarn, longrope).
 
-Each entry maps (rope config, rotary dim, max_position_embeddings, use_long) to inverse frequencies and an
-attention factor that scales cos and sin, as in transformers' `ROPE_INIT_FUNCTIONS`. Frequencies are computed
-in float64 numpy and rounded to float32 once, so they are static constants under `jit`.
-"""
+Notes: docs/modules.md (`kvjax/models/rope.py`)."""
 
 from __future__ import annotations
 

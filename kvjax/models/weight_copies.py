@@ -1,10 +1,6 @@
 """Which weight matrices a compiled program copies: the check that a decode step reads each weight in place.
 
-XLA's `cost_analysis()` counts a while loop's body once, so its bytes cannot show a copy made inside a scan
-over layers; the compiled HLO can. A copy is any instruction outside a fusion's body whose result has the
-shape of a weight matrix and that is not a parameter, a tuple element or a bitcast (a scan's per-layer
-`dynamic-slice` fusion of a stacked weight, a static `slice`, a `copy`).
-"""
+Notes: docs/modules.md (`kvjax/models/weight_copies.py`)."""
 
 from __future__ import annotations
 

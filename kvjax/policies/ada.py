@@ -1,6 +1,5 @@
 """Ada-KV's per-head budget allocation (Feng et al., 2024) over any scored eviction, as kvpress's
-`AdaKVPress(press)` wraps any press: `AdaKV(scorer=H2O(...))` is Ada-H2O, `AdaKV(scorer=SnapKV(...))` is
-Ada-SnapKV (registered as `ada_snapkv`), `AdaKV(scorer=PyramidKV(...))` Ada-Pyramid (`ada_pyramid`).
+`AdaKVPress(press)` wraps any press.
 
 Notes: docs/modules.md (`kvjax/policies/ada.py`)."""
 

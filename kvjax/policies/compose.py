@@ -1,12 +1,6 @@
 """Composition: evict with one policy, select pages at decode with another (e.g. SnapKV then Quest).
 
-`Compose(evict=..., select=...)` takes every role of its `evict` part (compression after prefill or per
-chunk with its schedule, its inputs and sizes, eviction while decoding and its budget) and the page
-selection of its `select` part, so it behaves as the evicting part alone except for which pages a decode
-step reads. A part with a role the composition does not take from it is refused.
-
-Fields (defaults): `evict` (the full cache), `select` (reads every page).
-"""
+Notes: docs/modules.md (`kvjax/policies/compose.py`)."""
 
 from __future__ import annotations
 

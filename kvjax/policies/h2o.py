@@ -1,13 +1,6 @@
 """H2O (Zhang et al., 2023): heavy hitters by accumulated attention, plus the most recent tokens.
 
-Every query's attention probabilities are summed into each slot's score (over the GQA group too). After
-prefill a head keeps its top (token_budget - recent_size) slots plus the recent ones; while decoding a
-head over budget drops its lowest-scoring slot outside the recent window. recent_size defaults to half
-the budget (the paper's equal heavy/recent split).
-
-Fields (defaults; the paper's in brackets): `token_budget` 128 [20% of the sequence], `recent_size`
-None = token_budget // 2 [half the budget], `dense_layers` 0.
-"""
+Notes: docs/modules.md (`kvjax/policies/h2o.py`)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """A 4-bit copy of the keys for scoring pages (the quantised "label cache" of Double Sparsity, Yang et al.,
 2024, here over every channel): Quest's metadata bytes spent on per-slot codes instead of per-page bounds.
 
-After prefill each layer, sequence and kv head gets one scale per channel, the `clip_quantile` quantile of
-the prefilled keys' |k_d| over 7 (a handful of outlier tokens, such as the first, would otherwise set it);
-every slot keeps round(k_d / scale_d) clipped to [-8, 7], packed two to a byte. A page scores max over its
-slots of (q * scale) . codes. Decode tokens are coded with the prompt's scales.
-
-Fields (defaults): `clip_quantile` 0.999; Quest's `token_budget` 64, `dense_layers` 2, `per_kv_head`
-False, `page_size` None. Metadata: 4 bits x 64 channels = 32 bytes per token, Quest's.
-"""
+Notes: docs/modules.md (`kvjax/policies/key_int4.py`)."""
 
 from __future__ import annotations
 

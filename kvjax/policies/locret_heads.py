@@ -1,15 +1,6 @@
 """Locret's retaining heads: one small MLP per layer that predicts each cached token's future importance.
 
-A head reads concat(pre-RoPE q, pre-RoPE k, v) of one token, `F = (Hq + 2 * H) * D` features, and
-returns one score per kv head: Linear(F -> hidden) -> SiLU -> Linear(hidden -> H), no biases (the
-paper's design, hidden 1024 by default). `retaining_scores` is the one scoring function: training
-(`kvjax.locret.training`) and the `locret` policy (at append time) both call it.
-
-The heads are parameters apart from the frozen model: a dict `{"layer_{l}": {"w1": [F, hidden],
-"w2": [hidden, H]}}`, wrapped in `RetainingHeads` with the shape they were built for. They save and
-restore with orbax (`save_heads` / `restore_heads`) and export to safetensors (`export_safetensors`);
-`load_heads` reads either, or the heads shipped for a model by its name (`kvjax/assets/locret-heads/`).
-"""
+Notes: docs/modules.md (`kvjax/policies/locret_heads.py`)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """Loki-style selection (Singhania et al., 2024): pages scored from a low-rank sketch of the keys.
 
-Loki observes that attention keys lie near a low-dimensional subspace and ranks keys by q.k computed in
-their top-`rank` principal directions. Here the directions are fitted to the prompt itself after prefill,
-per layer, sequence and kv head: the top right singular vectors of the prefilled keys (uncentred, so the
-keys' mean direction counts, as it does in q.k); Loki fits them offline on calibration text. Each slot
-keeps its key's coordinates `k @ P` in bfloat16, and a page scores max over its slots of (q @ P) . (k @ P).
-
-Fields (defaults): `rank` 16 (16 bfloat16 values: 32 bytes per token, Quest's 2 x 64 float32 per
-16-token page); Quest's `token_budget` 64, `dense_layers` 2, `per_kv_head` False, `page_size` None.
-"""
+Notes: docs/modules.md (`kvjax/policies/loki.py`)."""
 
 from __future__ import annotations
 

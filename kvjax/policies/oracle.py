@@ -1,15 +1,6 @@
 """Evaluation-only oracles of query-aware selection: what any page (or token) selection could reach.
 
-- `oracle_page`: Quest's reads (the current page plus the top `token_budget // page_size - 1` pages per
-  head), but each page scored by its exact best key, max over the page's slots of q.k, instead of Quest's
-  bound. It reads every key at every step (more than full attention's keys), so it saves nothing: it is
-  the ceiling of page selection at that budget, and the gap to Quest is what Quest's bound loses.
-- `oracle_token`: each query head reads its newest slot plus its top `token_budget - 1` other slots by
-  exact q.k, as pages of one slot (`decode_attention(slots=True)`, through `sparse_paged_decode`). The gap
-  between the two oracles is what page granularity loses at equal slots read.
-
-Fields as Quest's (`token_budget` 64, `dense_layers` 2, `per_kv_head` False). Float key pages only.
-"""
+Notes: docs/modules.md (`kvjax/policies/oracle.py`)."""
 
 from __future__ import annotations
 

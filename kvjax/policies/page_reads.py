@@ -1,14 +1,6 @@
 """Count the pages a page-selecting policy reads while decoding, for comparisons at equal reads.
 
-    tally = PageReads()
-    kvjax.generate(model, prompts, 8, policy=counting(make_policy("quest_adaptive", top_p=0.9), tally))
-    tally.mean  # pages read per (layer, sequence, head) and decode step, the current page included
-
-`counting(policy, tally)` wraps a selecting policy (Quest, adaptive Quest, or a `Compose` whose `select`
-part is one): its selections are what they were, and each decode step reports, per selecting layer, how
-many pages every head lists, through `jax.debug.callback` into `tally` on the host. A wrapper holds its
-tally by identity, so a new tally compiles a new step: an evaluation tool, not for serving.
-"""
+Notes: docs/modules.md (`kvjax/policies/page_reads.py`)."""
 
 from __future__ import annotations
 

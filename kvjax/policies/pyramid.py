@@ -1,12 +1,6 @@
 """PyramidKV (Cai et al., 2024): budgets that shrink linearly with depth.
 
-With B' = token_budget - window: min = B' // beta, max = 2 B' - min (beta = 20); layer l keeps
-max - l * ((max - min) // (L - 1)) prefix slots plus the window, clamped to the prompt (the authors'
-integer arithmetic). Slots are scored as in SnapKV. Ada-Pyramid (`ada_pyramid`) is `ada` over it.
-
-Fields (defaults; the paper's in brackets): SnapKV's (`token_budget` 128, `window` 32 [32], `kernel_size`
-7 [7], `pooling` "max"), `beta` 20 [20].
-"""
+Notes: docs/modules.md (`kvjax/policies/pyramid.py`)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
 """Quest (Tang et al., 2024): query-aware page selection; every slot is kept.
 
-Each 16-slot page carries the elementwise min and max of its keys. At a decode step a page's score for a
-query q is sum_d max(q_d * min_d, q_d * max_d), an upper bound of q.k over the page. Each head reads the
-top (token_budget / page_size - 1) scored pages plus its current (newest, partial) page, which is always
-read and never scored. Layers below `dense_layers` (2, as in the paper) and prefill stay dense.
-Selection is per query head by default (Quest's simulation repeats kv heads); `per_kv_head=True` makes
-one selection per kv head from the max over its query group.
-
-Fields (defaults; the paper's in brackets): `token_budget` 64 [its sweep: 256 to 4096], slots a decode
-step reads per head; `page_size` None, the cache's [16]; `dense_layers` 2 [2]; `per_kv_head` False.
-"""
+Notes: docs/modules.md (`kvjax/policies/quest.py`)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
 """A query-agnostic control for Quest: the same page score, but pages chosen once, before the question.
 
-After prefill, each kv head keeps the pages that Quest's score ranks highest for the **last prompt query**
-(sum_d max(q_d * min_d, q_d * max_d), max over the head's query group) plus its current (newest) page,
-`token_budget // page_size` pages in all; the rest is evicted. Questions fed afterwards by decode
-(`generate(decode_last=...)`) can only read what was chosen without them. Comparing it with `quest`,
-which re-selects pages with every decode query, tells whether query-aware selection is what keeps
-accuracy (Quest's claim), or whether any reasonable page choice would.
-
-Fields (defaults): `token_budget` 64 (slots kept per head, whole pages), `page_size` 16 (the cache's),
-`dense_layers` 0.
-"""
+Notes: docs/modules.md (`kvjax/policies/quest_static.py`)."""
 
 from __future__ import annotations
 

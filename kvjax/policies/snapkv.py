@@ -1,12 +1,6 @@
 """SnapKV (Li et al., 2024): the last `window` prompt queries vote for prefix keys.
 
-Scores: softmax of the window's queries over all keys, averaged over the window, GQA reduced by the mean
-over the group, pooled along the sequence (max, kernel 7; kvpress uses avg, kernel 5 and window 64).
-Keeps the top (token_budget - window) prefix slots plus the window itself.
-
-Fields (defaults; the paper's in brackets): `token_budget` 128 [its sweep: 1024 to 4096], `window` 32
-[32], `kernel_size` 7 [7], `pooling` "max" ["max"; kvpress: "avg", 5, window 64], `dense_layers` 0.
-"""
+Notes: docs/modules.md (`kvjax/policies/snapkv.py`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """StreamingLLM (Xiao et al., 2024): attention sinks plus a window of the most recent tokens.
 
-Keeps the first `sink_size` positions (4) and the newest token_budget - sink_size; while decoding, the
-oldest non-sink slot goes when a head is over budget. Reads positions only.
-
-Fields (defaults; the paper's in brackets): `token_budget` 128 [cache sizes 256 to 4096], `sink_size` 4
-[4], `dense_layers` 0.
-"""
+Notes: docs/modules.md (`kvjax/policies/streaming.py`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """TOVA (Oren et al., 2024): keep the tokens the newest query attends to most, averaged over all heads.
 
-After prefill: the last prompt query's attention, averaged over every query head of the layer, scores
-each slot; the last token itself is always kept (as kvpress does). While decoding: each step's query
-scores the slots the same way and a layer over budget drops the minimum. Every kv head of a layer keeps
-the same positions.
-
-Fields (defaults; the paper's in brackets): `token_budget` 128 [its sweep: 64 to 4096], `dense_layers` 0.
-"""
+Notes: docs/modules.md (`kvjax/policies/tova.py`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Multi-document RAG prompts on the shipped model's synthetic records, for CacheClip (issue 8's recipe).
 
-A prompt is `<s>` + a short system prefix + `num_chunks` chunks of `chunk_len` words + a multi-key
-question. The chunks are the shipped filler holding records "{key} d d d d ." (`kvjax.tasks.synthetic`);
-the asked record straddles a chunk boundary ("tiger 4 7 | 1 9 .": the second chunk's first tokens were
-encoded without what precedes them), or, for the control set, lies inside one chunk. Seeded by `rng`.
-Used by `eval/bench_cacheclip.py` (the comparison) and `train/cacheclip_aux.py` (auxiliary tuning).
-"""
+Notes: docs/modules.md (`kvjax/tasks/rag_records.py`)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
 """Count the programs JAX builds while a block runs, from its own monitoring events.
 
-    with count_compiles() as compiles:
-        kvjax.generate(model, prompt, 8)
-    assert compiles.of("append_step") == 2   # one prefill, one decode program
-
-A jitted call that misses its in-memory cache traces, lowers and then compiles (or, with the persistent
-cache on, reads the compiled program from disk). JAX records `/jax/core/compile/jaxpr_to_mlir_module_duration`
-with the function's name at every lowering, so that event counts every new program whether the backend
-compiled it or the disk cache held it (`/jax/core/compile/backend_compile_duration`, counted apart as
-`backend`, fires only for real compiles). A call served from memory records neither. One listener is
-registered on first use and stays; it only adds to the counters of the blocks open at the time.
-"""
+Notes: docs/modules.md (`kvjax/util/compile_count.py`)."""
 
 from __future__ import annotations
 
