@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
+import kvjax
+from kvjax.cache.state import KVState
 from kvjax.rag import AuxScorer, ChunkMismatchError, ChunkStore, assemble, rag_prefill
+from kvjax.rag.cache_state import kv_from_state, state_from_kv
 from rag_helpers import random_model, request, rope_config, word_tokenizer
 
 WORDS = ["<unk>"] + [f"w{i}" for i in range(96)]
@@ -30,14 +34,45 @@ def test_chunks_are_encoded_once_and_keyed_by_content(model):
     # the same tokens after another prefix are another chunk cache (its K/V differ)
     other = store.chunks(prefix[:-1], chunks[:1])[0]
     assert other.key != first[0].key
-    assert not np.allclose(np.asarray(other.v[1]), np.asarray(first[0].v[1]))
+    assert not np.allclose(np.asarray(other.kv()[1][1]), np.asarray(first[0].kv()[1][1]))
     assert store.prefix(prefix).start == 0 and first[0].start == len(prefix)
+
+
+def test_kv_from_state_reads_back_exactly_what_state_from_kv_wrote(model):
+    cfg = model.cfg
+    rng = np.random.default_rng(0)
+    shape = (cfg.num_layers, 2, 13, cfg.num_kv_heads, cfg.head_dim)  # 13 slots: the last page part-filled
+    k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    state = state_from_kv(cfg, k, v, np.arange(13)[None].repeat(2, 0) + 5, capacity=13, page_size=4)
+    assert state.num_pages == cfg.num_layers * 2 * cfg.num_kv_heads * 4  # 4 pages of 4 hold 13 slots: no spare
+    k_back, v_back = kv_from_state(state, 13)
+    np.testing.assert_array_equal(np.asarray(k_back), k)
+    np.testing.assert_array_equal(np.asarray(v_back), v)
+
+
+def test_a_chunk_cache_is_a_paged_state_equal_to_the_prefill_of_its_prompt(model):
+    """The rotated form holds what `kvjax.prefill` of prefix + chunk holds at the chunk's slots; the
+    pre-RoPE form the same values and the keys before rotation, at the same positions."""
+    prefix, chunks, _ = request(4, num_chunks=1, chunk_len=11)
+    P, T = len(prefix), len(chunks[0])
+    rotated = ChunkStore(model, form="rotated").chunks(prefix, chunks)[0]
+    pre_rope = ChunkStore(model).chunks(prefix, chunks)[0]
+    assert isinstance(rotated.state, KVState) and rotated.state.page_table.shape[1] == 1
+    np.testing.assert_array_equal(np.asarray(rotated.state.next_position), [P + T])
+    state, _ = kvjax.prefill(model, [np.concatenate([prefix, chunks[0]])], capacity=P + T)
+    k_full, v_full = kv_from_state(state, P + T)  # [L, 1, P + T, H, D]
+    k, v = rotated.kv()  # [L, T, H, D]
+    np.testing.assert_allclose(np.asarray(k), np.asarray(k_full[:, 0, P:]), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(v), np.asarray(v_full[:, 0, P:]), atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(pre_rope.kv()[1]), np.asarray(v))
+    assert not np.allclose(np.asarray(pre_rope.kv()[0]), np.asarray(k))  # keys before RoPE
+    assert rotated.nbytes == sum(x.nbytes for x in jax.tree.leaves(rotated.state)) + rotated.tokens.nbytes
 
 
 def test_a_byte_budget_evicts_the_least_recently_used_chunks(model):
     prefix, chunks, _ = request(2, num_chunks=3, chunk_len=8)
     size = ChunkStore(model).chunks(prefix, chunks[:1])[0]
-    one = size.k.nbytes + size.v.nbytes + size.tokens.nbytes
+    one = size.nbytes
     store = ChunkStore(model, max_bytes=2 * one)
     first = store.chunks(prefix, chunks)  # three chunks into room for two: every one returned all the same
     assert len(first) == 3 and len(store) == 2 and store.lru.bytes <= 2 * one

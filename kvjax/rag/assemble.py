@@ -20,7 +20,7 @@ from kvjax.cache.state import KVState, gather_layer
 from kvjax.models.config import ModelConfig
 from kvjax.models.loading import Model
 from kvjax.engine.generation import bucketed
-from kvjax.rag.cache_state import state_from_kv
+from kvjax.rag.cache_state import kv_from_state, state_from_kv
 from kvjax.rag.rope_shift import check_shiftable, rotate_keys, shift_keys
 from kvjax.rag.store import ChunkKV, ChunkStore, check_fingerprint, model_fingerprint
 from kvjax.models.rope import uses_long_factors
@@ -65,13 +65,14 @@ class AssembledContext:
         return tuple(jnp.swapaxes(x, 1, 2)[:, : self.num_slots] for x in (k, v))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "form", "stored_long_rope", "long_rope", "query_len"))
-def _place(keys, values, old_positions, new_positions, *, cfg: ModelConfig, form: str, stored_long_rope: bool,
-           long_rope: bool, query_len: int):
-    """Concatenate entries' `[L, T_i, H, D]` K/V, move keys to `new_positions`, add `query_len` zero slots.
-    Returns `k, v [L, 1, S, H, D]`."""
-    k = jnp.concatenate(keys, axis=1)
-    v = jnp.concatenate(values, axis=1)
+@functools.partial(jax.jit, static_argnames=("lengths", "cfg", "form", "stored_long_rope", "long_rope", "query_len"))
+def _place(states, old_positions, new_positions, *, lengths: tuple, cfg: ModelConfig, form: str,
+           stored_long_rope: bool, long_rope: bool, query_len: int):
+    """Concatenate the K/V of entries' `states` (`lengths[i]` slots each), move keys to `new_positions`, add
+    `query_len` zero slots. Returns `k, v [L, 1, S, H, D]`."""
+    kv = [kv_from_state(state, n) for state, n in zip(states, lengths)]  # each [L, 1, T_i, H, D]
+    k = jnp.concatenate([k for k, _ in kv], axis=2)[:, 0]
+    v = jnp.concatenate([v for _, v in kv], axis=2)[:, 0]
     if form == "pre_rope":
         k = rotate_keys(k, new_positions[None], cfg, long_rope)
     else:
@@ -136,9 +137,9 @@ def assemble(
     if store.form == "rotated":
         check_shiftable(model.cfg, store.long_rope, long_rope)
     k, v = _place(
-        tuple(e.k for e in entries), tuple(e.v for e in entries), jnp.asarray(np.concatenate(old), jnp.int32),
-        jnp.asarray(context_positions), cfg=model.cfg, form=store.form, stored_long_rope=store.long_rope,
-        long_rope=bool(long_rope), query_len=query_len,
+        tuple(e.state for e in entries), jnp.asarray(np.concatenate(old), jnp.int32), jnp.asarray(context_positions),
+        lengths=tuple(e.num_tokens for e in entries), cfg=model.cfg, form=store.form,
+        stored_long_rope=store.long_rope, long_rope=bool(long_rope), query_len=query_len,
     )
     tokens = np.concatenate([e.tokens for e in entries] + [query])
     capacity = bucketed(len(tokens) + max_new_tokens) if capacity is None else capacity

@@ -1,4 +1,5 @@
-"""Write per-layer K/V arrays into a fresh paged `KVState`, so decoding continues with `kvjax.decode_step`."""
+"""Per-layer K/V arrays into a fresh paged `KVState` and back: how chunk caches and assembled RAG contexts
+become states that `kvjax.decode_step` continues."""
 
 from __future__ import annotations
 
@@ -47,3 +48,17 @@ def state_from_kv(
     if error is not None:
         raise error
     return state
+
+
+def kv_from_state(state: KVState, num_slots: int):
+    """`k, v [L, B, num_slots, H, D]`: slots 0..num_slots-1 of every layer and kv head of `state`, in slot
+    order (the inverse of `state_from_kv`; the keys as stored). Every head must hold them, with no eviction
+    hole. Traceable; `num_slots` is static."""
+    P = pages_for(num_slots, state.page_size)
+    table = jnp.clip(state.page_table[..., :P], 0, state.num_pages - 1)  # [L, B, H, P]
+    L, B, H, _ = table.shape
+
+    def read(pages):  # [L, B, H, P, ps, D] -> [L, B, num_slots, H, D]
+        return jnp.swapaxes(pages.reshape(L, B, H, P * state.page_size, -1)[:, :, :, :num_slots], 2, 3)
+
+    return read(state.read_k(table)), read(state.read_v(table))

@@ -1,4 +1,5 @@
-"""Chunk KV cache store: each chunk's K/V computed once by the main model, keyed by a content hash.
+"""Chunk KV cache store: each chunk's K/V computed once by the main model, held as a one-row paged
+`KVState` and keyed by a content hash.
 
 Notes: docs/modules.md (`kvjax/rag/store.py`)."""
 
@@ -12,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache.state import KVState
 from kvjax.models.loading import Model
+from kvjax.rag.cache_state import kv_from_state, state_from_kv
 from kvjax.rag.encode import encode_kv
 from kvjax.util.hashing import ROOT_HASH, hash_block
 from kvjax.util.lru import BytesLRU
@@ -79,12 +82,13 @@ def check_fingerprint(have: Fingerprint, want: Fingerprint, what: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkKV:
-    """One cached sequence. L = layers, T = tokens, H = kv heads, D = head dim."""
+    """One cached sequence: slots 0..T-1 of every layer and kv head of a one-row `state`, on a pool of exactly
+    the pages they fill, at positions start..start+T-1. With form "rotated" the state is what a prefill of the
+    prefix and the chunk holds at the chunk's slots; with "pre_rope" its keys are those before rotation."""
 
     key: bytes  # content hash (prefix, tokens, form, factor set, fingerprint)
     tokens: np.ndarray  # int32[T]
-    k: jax.Array  # [L, T, H, D]  pre-RoPE, or post-RoPE at positions start..start+T-1 (see form)
-    v: jax.Array  # [L, T, H, D]
+    state: KVState
     start: int  # encoding position of tokens[0]
     form: str  # "pre_rope" or "rotated"
     long_rope: bool  # LongRoPE factor set used when encoding
@@ -93,6 +97,15 @@ class ChunkKV:
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Device and host bytes the entry holds (its state's arrays and the tokens)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self.state)) + self.tokens.nbytes
+
+    def kv(self):
+        """`(k, v)`, each `[L, T, H, D]`, in slot order (L = layers, T = tokens, H = kv heads, D = head dim)."""
+        return tuple(x[:, 0] for x in kv_from_state(self.state, self.num_tokens))
 
 
 def _as_tokens(tokens, name: str) -> np.ndarray:
@@ -104,15 +117,18 @@ def _as_tokens(tokens, name: str) -> np.ndarray:
 
 class ChunkStore:
     """Content-hash keyed chunk caches of one model. `form` is "pre_rope" or "rotated"; `long_rope` is the
-    LongRoPE factor set chunks are encoded with (match it to the assembled length; ignored by other types)."""
+    LongRoPE factor set chunks are encoded with (match it to the assembled length; ignored by other types);
+    `page_size` the pages' size of each entry's state."""
 
     def __init__(self, model: Model, form: str = "pre_rope", long_rope: bool = False, *, max_bytes: int | None = None,
-                 lru: BytesLRU | None = None):
+                 lru: BytesLRU | None = None, page_size: int = 16):
         if form not in FORMS:
             raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        if page_size <= 0 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a positive power of two, got {page_size}")
         if max_bytes is not None and lru is not None:
             raise ValueError("pass max_bytes or a shared lru, not both")
-        self.model, self.form, self.long_rope = model, form, bool(long_rope)
+        self.model, self.form, self.long_rope, self.page_size = model, form, bool(long_rope), page_size
         self.fingerprint = model_fingerprint(model)
         # entries live in a byte-bounded LRU: unbounded by default, or shared with the batch engine's prefix
         # carries (`BatchEngine.cache`) so one budget bounds both
@@ -127,7 +143,7 @@ class ChunkStore:
         return self.lru.get((_NAMESPACE, key))
 
     def _keep(self, entry: ChunkKV) -> ChunkKV:
-        self.lru.put((_NAMESPACE, entry.key), entry, entry.k.nbytes + entry.v.nbytes + entry.tokens.nbytes)
+        self.lru.put((_NAMESPACE, entry.key), entry, entry.nbytes)
         return entry
 
     def key(self, prefix_tokens, tokens) -> bytes:
@@ -191,5 +207,9 @@ class ChunkStore:
         return encode_kv(m.params, jnp.asarray(tokens), cfg=m.cfg, dtype=m.dtype, long_rope=self.long_rope)
 
     def _entry(self, key, tokens, k_pre, k, v, start) -> ChunkKV:
+        """An entry of `k_pre, k, v [L, T, H, D]` (keys before and after RoPE, values) at positions start.."""
         keys = k_pre if self.form == "pre_rope" else k
-        return ChunkKV(key, tokens, keys, v, start, self.form, self.long_rope, self.fingerprint)
+        T = len(tokens)
+        state = state_from_kv(self.model.cfg, keys[:, None], v[:, None], start + np.arange(T, dtype=np.int32)[None],
+                              capacity=T, page_size=self.page_size, long_rope=self.long_rope)
+        return ChunkKV(key, tokens, state, start, self.form, self.long_rope, self.fingerprint)
