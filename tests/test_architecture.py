@@ -174,3 +174,26 @@ def test_each_layer_is_a_folder():
             if prefix in ("kvjax", "kvjax.cli"):
                 continue
             assert importlib.util.find_spec(prefix).submodule_search_locations, f"{prefix} is not a folder"
+
+
+def _library_modules() -> list[pathlib.Path]:
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    return sorted((repo / "kvjax").rglob("*.py")) + sorted((repo / "pallas_kernels").glob("*.py"))
+
+
+def test_module_docstrings_are_short_and_their_notes_exist():
+    """A library module's docstring says what it is in at most four lines; longer notes live in
+    docs/modules.md, in the section its `Notes:` line names."""
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    sections = set(re.findall(r"(?m)^## `([^`]+)`$", (repo / "docs" / "modules.md").read_text()))
+    long, missing = [], []
+    for path in _library_modules():
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        name = path.relative_to(repo).as_posix()
+        if doc.strip().count("\n") + 1 > 4:
+            long.append(name)
+        for target in re.findall(r"Notes: docs/modules\.md \(`([^`]+)`\)", doc):
+            if target not in sections:
+                missing.append(f"{name} -> {target}")
+    assert not long, f"module docstrings longer than four lines: {long}"
+    assert not missing, f"Notes lines naming no section of docs/modules.md: {missing}"

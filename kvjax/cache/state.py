@@ -1,14 +1,7 @@
-"""The paged KV state: an immutable pytree of single-head pages, page tables and allocation bookkeeping.
+"""The paged KV state: an immutable pytree of single-head pages, page tables and allocation bookkeeping,
+and the operations that allocate, write and read it inside `jit`.
 
-One page holds `page_size` consecutive cache slots of one kv-head of one layer. Page tables map
-(layer, sequence, kv-head, logical page) to a physical page of one shared pool, so layers and heads may
-hold different numbers of pages (uneven budgets free real memory). Pages are allocated inside `jit` from a
-free stack. A step that cannot get the pages it needs writes nothing and records why in `overflow`; the
-host turns that into a `CacheCapacityError`. Nothing is ever written out of bounds or over a live page.
-
-Functions taking a `layer` accept an int or a traced int32 scalar (inside a scan over layers); the pages a
-layer reads (`read_pages`) stay static either way (see `KVState.for_layers`).
-"""
+Notes: docs/modules.md (`kvjax/cache/state.py`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""CacheClip and baselines for RAG: reusable per-chunk KV caches, assembly, and selective recomputation.
+"""CacheClip and baselines for RAG: reusable chunk KV caches, assembly, and selective recomputation
+(docs/cacheclip.md).
 
-See docs/cacheclip.md. Typical use:
-
-    store = ChunkStore(model)                                   # pre-RoPE chunk caches keyed by content hash
-    result = rag_prefill(model, store, prefix, chunks, query, "cacheclip", ratio=0.2)
-    tokens = greedy_continue(model, result, 8)                  # or BatchEngine.submit_prefilled(result.state, ...)
-"""
+Notes: docs/modules.md (`kvjax/rag/__init__.py`)."""
 
 from kvjax.rag.assemble import AssembledContext, assemble
 from kvjax.rag.baselines import cacheblend_prefill, direct_reuse, full_prefill

@@ -1,10 +1,7 @@
-"""Assemble a RAG context from cached pieces into a paged `KVState`: the shared prefix once, the chunks after
-it (their own copies of the prefix, the repeated sinks, were never stored), contiguous positions, and slots
-for the query.
+"""Assemble a RAG context from cached pieces into a paged `KVState`: the shared prefix once, the chunks
+after it with their keys moved to their new positions, and zero slots for the query.
 
-Keys land post-RoPE at their new positions: pre-RoPE entries are rotated there, rotated entries are
-re-rotated by the position delta. The query's slots hold zeros until a forward writes them.
-"""
+Notes: docs/modules.md (`kvjax/rag/assemble.py`)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Baselines in the same harness: full prefill, direct reuse, APE-style parallel encoding, CacheBlend.
+"""RAG baselines in CacheClip's harness: full prefill, direct reuse, APE-style parallel encoding, CacheBlend.
 
-- full: `kvjax.prefill` over the whole prompt (the library's chunked paged prefill).
-- reuse: the assembled chunk K/V as they are; only the query is computed.
-- ape: chunks keep their encoding positions (all start right after the shared prefix) and the query follows
-  the longest one, as APE's parallel encoding; APE's attention temperature and scale are not applied
-  (decode reads the cache through kvjax's unmodified attention).
-- cacheblend: layers before `check_layer` (1) run over every token; at `check_layer` every token's K/V is
-  projected, and the tokens whose fresh K/V deviate most from the reused ones (squared L2 over heads, K plus
-  V; CacheBlend's HKVD tokens) are recomputed from there on, with the query.
-"""
+Notes: docs/modules.md (`kvjax/rag/baselines.py`)."""
 
 from __future__ import annotations
 

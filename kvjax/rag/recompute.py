@@ -1,11 +1,7 @@
 """CacheClip's selective recomputation: an auxiliary model scores the chunk tokens by its last layer's
 attention from the query, the top r% are chosen with window grouping, and the main model recomputes them.
 
-Grouping: chunk tokens fall in aligned windows of `window` (8) tokens; a window is recomputed when more than
-`threshold` (5) of its tokens are selected. The number of top-scored tokens considered grows while the
-qualifying windows fit the budget (round(r x chunk tokens)); the few slots left (fewer than one window) go
-to the best-scored remaining tokens, so every request recomputes exactly the budget.
-"""
+Notes: docs/modules.md (`kvjax/rag/recompute.py`)."""
 
 from __future__ import annotations
 

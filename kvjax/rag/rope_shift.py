@@ -1,12 +1,6 @@
 """Moving cached keys to new positions: rotate pre-RoPE keys, or re-rotate post-RoPE keys by a delta.
 
-RoPE at position p is a rotation R(p·f) of each (i, i + R/2) pair, scaled by the type's attention factor
-a (YaRN's mscale, LongRoPE's factor; 1 otherwise): k_p = a·R(p·f)·k. Rotations compose, so a key cached at
-p moves to p + δ by the pure rotation R(δ·f) (factor 1: applying a again would scale it twice). That holds
-for every type whose frequencies f do not depend on the position: default, linear, llama3, yarn, and
-longrope within one factor set. LongRoPE's short and long factor sets have different f, so a key rotated
-with one set cannot be shifted into the other: such moves need the pre-RoPE key.
-"""
+Notes: docs/modules.md (`kvjax/rag/rope_shift.py`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Selective prefill: run the main model over only some tokens of an assembled RAG context, a paged `KVState`.
+"""Selective prefill: the main model over only some tokens of an assembled RAG context, a paged `KVState`.
 
-At each layer the active tokens (a sorted slot subset, each layer's inside the previous one's) compute q, k, v;
-their k, v overwrite that layer's reused slots (`write_slots`) and their queries attend over the slots at or
-before their own (`paged_attention` with `q_slots`: slot order is causal order). Every token active is a full
-causal prefill; only the query active is direct reuse. Layers run one at a time through the model's
-`DecoderLayer` and its `attend` seam, since each layer's active set has its own size.
-"""
+Notes: docs/modules.md (`kvjax/rag/selective.py`)."""
 
 from __future__ import annotations
 
