@@ -123,6 +123,13 @@ def test_bad_inputs_name_themselves(model):
         ChunkStore(model, form="rope")
     with pytest.raises(ValueError, match="chunk 1"):
         ChunkStore(model).chunks(prefix, [chunks[0], []])
+    vocab = model.cfg.vocab_size  # an id past the vocabulary would embed as NaN: refused, not cached
+    with pytest.raises(ValueError, match=rf"chunk 1 has token id {vocab} at position 2 outside the vocabulary"):
+        ChunkStore(model).chunks(prefix, [chunks[0], [1, 2, vocab]])
+    with pytest.raises(ValueError, match="prefix_tokens has token id -1"):
+        ChunkStore(model).prefix([-1, 2])
+    with pytest.raises(ValueError, match=rf"query_tokens has token id {vocab + 3}"):
+        assemble(model, ChunkStore(model), prefix, chunks, [vocab + 3])
     with pytest.raises(ValueError, match="query_tokens is empty"):
         assemble(model, ChunkStore(model), prefix, chunks, [])
     with pytest.raises(ValueError, match="unknown RAG method 'blend'"):

@@ -19,7 +19,7 @@ from kvjax.models.loading import Model
 from kvjax.engine.generation import bucketed
 from kvjax.rag.cache_state import kv_from_state, state_from_kv
 from kvjax.rag.rope_shift import check_shiftable, rotate_keys, shift_keys
-from kvjax.rag.store import ChunkKV, ChunkStore, check_fingerprint, model_fingerprint
+from kvjax.rag.store import ChunkKV, ChunkStore, as_tokens, check_fingerprint, model_fingerprint
 from kvjax.models.rope import uses_long_factors
 
 
@@ -108,9 +108,9 @@ def assemble(
             f"chunk reuse assumes full attention; this model has sliding windows {sorted(set(model.cfg.windows) - {0})} "
             "(use kvjax.generate on the whole prompt)"
         )
-    query = np.asarray(query_tokens, np.int32).reshape(-1)
-    if query.size < 1:
+    if np.size(query_tokens) < 1:
         raise ValueError("query_tokens is empty: the query is what the forward computes, give at least one token")
+    query = as_tokens(np.reshape(query_tokens, -1), "query_tokens", model.cfg.vocab_size)
     query_len = int(query.size)
     if not chunk_token_lists:
         raise ValueError("chunk_token_lists is empty: give at least one chunk")

@@ -108,10 +108,16 @@ class ChunkKV:
         return tuple(x[:, 0] for x in kv_from_state(self.state, self.num_tokens))
 
 
-def _as_tokens(tokens, name: str) -> np.ndarray:
+def as_tokens(tokens, name: str, vocab_size: int) -> np.ndarray:
+    """`tokens` as int32[T], refusing an empty, non-integer or out-of-vocabulary sequence by `name` (an id
+    outside the vocabulary would embed as NaN)."""
     array = np.asarray(tokens)
     if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"{name} must be a non-empty 1-D list of token ids, got shape {array.shape}, dtype {array.dtype}")
+    bad = np.flatnonzero((array < 0) | (array >= vocab_size))
+    if bad.size:
+        raise ValueError(f"{name} has token id {int(array[bad[0]])} at position {int(bad[0])} outside the vocabulary "
+                         f"[0, {vocab_size})")
     return array.astype(np.int32)
 
 
@@ -164,7 +170,7 @@ class ChunkStore:
 
     def prefix(self, prefix_tokens) -> ChunkKV:
         """The shared prefix's entry (encoded on first use), at positions 0..P-1."""
-        prefix_tokens = _as_tokens(prefix_tokens, "prefix_tokens")
+        prefix_tokens = as_tokens(prefix_tokens, "prefix_tokens", self.model.cfg.vocab_size)
         key = self.key(prefix_tokens, None)
         entry = self.get(key)
         if entry is None:
@@ -178,8 +184,9 @@ class ChunkStore:
     def chunks(self, prefix_tokens, chunk_token_lists: Sequence) -> list[ChunkKV]:
         """Entries of each chunk encoded after `prefix_tokens`, encoding the missing ones (chunks of equal
         length in one batched forward)."""
-        prefix_tokens = _as_tokens(prefix_tokens, "prefix_tokens")
-        chunks = [_as_tokens(c, f"chunk {i}") for i, c in enumerate(chunk_token_lists)]
+        vocab = self.model.cfg.vocab_size
+        prefix_tokens = as_tokens(prefix_tokens, "prefix_tokens", vocab)
+        chunks = [as_tokens(c, f"chunk {i}", vocab) for i, c in enumerate(chunk_token_lists)]
         keys = [self.key(prefix_tokens, c) for c in chunks]
         found = {}  # held here: a later insertion may evict an entry this call returns
         missing: dict[int, list[int]] = {}
