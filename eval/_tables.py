@@ -226,9 +226,12 @@ def locret_quality(payload: dict) -> str:
     rows = [[names.get(p, p), *[f"{at.get((p, None if p == 'full' else b), float('nan')):.2f}" for b in budgets]]
             for p in dict.fromkeys(r["policy"] for r in results)]
     s = payload["settings"]
+    training = payload.get("heads_training")
+    trained = (f" Heads trained by the run: {training['steps_done']} steps on {training['examples']} rows, final loss "
+               f"{training['final_loss']:.4f}." if training else "")
     return (markdown_table(["policy", *[f"budget {b}" for b in budgets]], rows) +
             f"\n{s['samples']} samples, {s['length']}-token prompts, {s['records']} records, dense_layers="
-            f"{s['dense_layers']}; Locret: {payload['locret_options']}. {load_line(payload)}\n")
+            f"{s['dense_layers']}; Locret: {payload['locret_options']}.{trained} {load_line(payload)}\n")
 
 
 def _recorded_load(payload: dict) -> str:
