@@ -52,20 +52,25 @@ def as_token_lists(prompt_ids, vocab_size: int, name: str = "prompt_ids") -> lis
         rows = [np.asarray(list(r) if not isinstance(r, np.ndarray) else r) for r in prompt_ids]
     if not rows:
         raise ValueError(f"{name} is empty: give at least one prompt")
-    out = []
-    for i, row in enumerate(rows):
-        if row.size == 0:
-            raise ValueError(f"{name}[{i}] is empty: every prompt needs at least one token")
-        if not np.issubdtype(row.dtype, np.integer):
-            raise ValueError(f"{name}[{i}] must hold integer token ids, got dtype {row.dtype}")
-        bad = np.flatnonzero((row < 0) | (row >= vocab_size))
-        if bad.size:
-            raise ValueError(
-                f"{name}[{i}] has token id {int(row[bad[0]])} at position {int(bad[0])} outside the vocabulary "
-                f"[0, {vocab_size})"
-            )
-        out.append(row.astype(np.int32))
-    return out
+    return [as_token_row(row, vocab_size, f"{name}[{i}]") for i, row in enumerate(rows)]
+
+
+def as_token_row(row, vocab_size: int, name: str) -> np.ndarray:
+    """One token sequence as int32[T], refused by `name` when empty, not 1-D, not integer, or holding an id
+    outside the vocabulary (which would embed as NaN)."""
+    row = np.asarray(row)
+    if row.size == 0:
+        raise ValueError(f"{name} is empty: every sequence needs at least one token")
+    if row.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D list of token ids, got shape {row.shape}")
+    if not np.issubdtype(row.dtype, np.integer):
+        raise ValueError(f"{name} must hold integer token ids, got dtype {row.dtype}")
+    bad = np.flatnonzero((row < 0) | (row >= vocab_size))
+    if bad.size:
+        raise ValueError(
+            f"{name} has token id {int(row[bad[0]])} at position {int(bad[0])} outside the vocabulary [0, {vocab_size})"
+        )
+    return row.astype(np.int32)
 
 
 def _chunk_size_for(longest: int, chunk_size: int) -> int:

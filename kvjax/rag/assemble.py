@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.state import KVState, gather_layer
+from kvjax.cache.state import KVState
 from kvjax.models.config import ModelConfig
 from kvjax.models.loading import Model
-from kvjax.engine.generation import bucketed
+from kvjax.engine.generation import as_token_row, bucketed
 from kvjax.rag.cache_state import kv_from_state, state_from_kv
 from kvjax.rag.rope_shift import check_shiftable, rotate_keys, shift_keys
-from kvjax.rag.store import ChunkKV, ChunkStore, as_tokens, check_fingerprint, model_fingerprint
+from kvjax.rag.store import ChunkKV, ChunkStore, check_fingerprint, model_fingerprint
 from kvjax.models.rope import uses_long_factors
 
 
@@ -58,8 +58,7 @@ class AssembledContext:
         """`(k, v)`, each `[1, S, H, D]`: the context's K/V of `layer` in slot order (read from the state)."""
         if self.state is None:
             raise ValueError("this context's state was consumed by a prefill method; assemble the request again")
-        k, v, _, _ = gather_layer(self.state, layer)  # [1, H, S', D]
-        return tuple(jnp.swapaxes(x, 1, 2)[:, : self.num_slots] for x in (k, v))
+        return kv_from_state(self.state, self.num_slots, layer)
 
 
 @functools.partial(jax.jit, static_argnames=("lengths", "cfg", "form", "stored_long_rope", "long_rope", "query_len"))
@@ -110,7 +109,7 @@ def assemble(
         )
     if np.size(query_tokens) < 1:
         raise ValueError("query_tokens is empty: the query is what the forward computes, give at least one token")
-    query = as_tokens(np.reshape(query_tokens, -1), "query_tokens", model.cfg.vocab_size)
+    query = as_token_row(np.reshape(query_tokens, -1), model.cfg.vocab_size, "query_tokens")
     query_len = int(query.size)
     if not chunk_token_lists:
         raise ValueError("chunk_token_lists is empty: give at least one chunk")

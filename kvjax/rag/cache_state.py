@@ -50,15 +50,16 @@ def state_from_kv(
     return state
 
 
-def kv_from_state(state: KVState, num_slots: int):
+def kv_from_state(state: KVState, num_slots: int, layer=None):
     """`k, v [L, B, num_slots, H, D]`: slots 0..num_slots-1 of every layer and kv head of `state`, in slot
-    order (the inverse of `state_from_kv`; the keys as stored). Every head must hold them, with no eviction
-    hole. Traceable; `num_slots` is static."""
+    order (the inverse of `state_from_kv`; the keys as stored), or `[B, num_slots, H, D]` of one `layer`.
+    Every head must hold them, with no eviction hole. Traceable; `num_slots` is static."""
     P = pages_for(num_slots, state.page_size)
-    table = jnp.clip(state.page_table[..., :P], 0, state.num_pages - 1)  # [L, B, H, P]
-    L, B, H, _ = table.shape
+    table = state.page_table if layer is None else state.page_table[layer]
+    table = jnp.clip(table[..., :P], 0, state.num_pages - 1)  # [(L,) B, H, P]
 
-    def read(pages):  # [L, B, H, P, ps, D] -> [L, B, num_slots, H, D]
-        return jnp.swapaxes(pages.reshape(L, B, H, P * state.page_size, -1)[:, :, :, :num_slots], 2, 3)
+    def read(pages):  # [(L,) B, H, P, ps, D] -> [(L,) B, num_slots, H, D]
+        slots = pages.reshape(*table.shape[:-1], P * state.page_size, -1)[..., :num_slots, :]
+        return jnp.swapaxes(slots, -3, -2)
 
     return read(state.read_k(table)), read(state.read_v(table))

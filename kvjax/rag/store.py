@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.state import KVState
+from kvjax.engine.generation import as_token_row
 from kvjax.models.loading import Model
 from kvjax.rag.cache_state import kv_from_state, state_from_kv
 from kvjax.rag.encode import encode_kv
@@ -108,19 +109,6 @@ class ChunkKV:
         return tuple(x[:, 0] for x in kv_from_state(self.state, self.num_tokens))
 
 
-def as_tokens(tokens, name: str, vocab_size: int) -> np.ndarray:
-    """`tokens` as int32[T], refusing an empty, non-integer or out-of-vocabulary sequence by `name` (an id
-    outside the vocabulary would embed as NaN)."""
-    array = np.asarray(tokens)
-    if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{name} must be a non-empty 1-D list of token ids, got shape {array.shape}, dtype {array.dtype}")
-    bad = np.flatnonzero((array < 0) | (array >= vocab_size))
-    if bad.size:
-        raise ValueError(f"{name} has token id {int(array[bad[0]])} at position {int(bad[0])} outside the vocabulary "
-                         f"[0, {vocab_size})")
-    return array.astype(np.int32)
-
-
 class ChunkStore:
     """Content-hash keyed chunk caches of one model. `form` is "pre_rope" or "rotated"; `long_rope` is the
     LongRoPE factor set chunks are encoded with (match it to the assembled length; ignored by other types);
@@ -170,7 +158,7 @@ class ChunkStore:
 
     def prefix(self, prefix_tokens) -> ChunkKV:
         """The shared prefix's entry (encoded on first use), at positions 0..P-1."""
-        prefix_tokens = as_tokens(prefix_tokens, "prefix_tokens", self.model.cfg.vocab_size)
+        prefix_tokens = as_token_row(prefix_tokens, self.model.cfg.vocab_size, "prefix_tokens")
         key = self.key(prefix_tokens, None)
         entry = self.get(key)
         if entry is None:
@@ -185,8 +173,8 @@ class ChunkStore:
         """Entries of each chunk encoded after `prefix_tokens`, encoding the missing ones (chunks of equal
         length in one batched forward)."""
         vocab = self.model.cfg.vocab_size
-        prefix_tokens = as_tokens(prefix_tokens, "prefix_tokens", vocab)
-        chunks = [as_tokens(c, f"chunk {i}", vocab) for i, c in enumerate(chunk_token_lists)]
+        prefix_tokens = as_token_row(prefix_tokens, vocab, "prefix_tokens")
+        chunks = [as_token_row(c, vocab, f"chunk {i}") for i, c in enumerate(chunk_token_lists)]
         keys = [self.key(prefix_tokens, c) for c in chunks]
         found = {}  # held here: a later insertion may evict an entry this call returns
         missing: dict[int, list[int]] = {}
