@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma3_text")
+_GEMMA = ("gemma3_text",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +67,17 @@ class ModelConfig:
     # uses `sliding_window`. `with_windows` sets it.
     layer_windows: tuple[int, ...] | None = None
     rope: RopeConfig = RopeConfig()
+    # RoPE of the sliding-window layers where it differs from `rope` (Gemma-3: base 10000 local, 1e6 global)
+    local_rope: RopeConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma's pieces (Llama's where unset)
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma's norms use 1 + weight
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Gemma-3)
+    sandwich_norms: bool = False  # attention and MLP outputs normed too, the MLP's input by its own norm
+    embedding_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden_size))
+    query_scale: float | None = None  # q.k scale where not head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma-2)
 
     @property
     def group_size(self) -> int:
@@ -100,9 +110,15 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rope.partial_rotary_factor)
 
+    @property
+    def per_layer_rope(self) -> bool:
+        """Whether layers differ in RoPE (`local_rope` on the sliding-window ones): `rope_frequencies` then
+        gives a table with a row per layer."""
+        return self.local_rope is not None and self.local_rope != self.rope and any(self.windows)
+
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from the parsed `config.json` of a Llama, Mistral, Qwen2 or Phi-3 checkpoint."""
+        """Build from the parsed `config.json` of a Llama, Mistral, Qwen2, Phi-3 or Gemma-3 (text) checkpoint."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -121,10 +137,12 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         is_phi3 = model_type == "phi3"
-        sliding_window = hf.get("sliding_window") if model_type in ("mistral", "phi3", "qwen2") else None
+        sliding_window = hf.get("sliding_window") if model_type in ("mistral", "phi3", "qwen2", *_GEMMA) else None
         if model_type == "qwen2" and not hf.get("use_sliding_window", False):
             sliding_window = None
         layer_windows = _layer_windows(hf, model_type, sliding_window)
+        gemma = _gemma_fields(hf, head_dim) if model_type in _GEMMA else {}
+        rope = gemma.pop("rope") if gemma else _rope_config(hf, head_dim)
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -136,8 +154,8 @@ class ModelConfig:
             head_dim=head_dim,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            hidden_act=hf.get("hidden_act", "silu"),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act", "silu"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in _GEMMA)),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             o_proj_bias=bool(hf.get("attention_bias", False)) and model_type != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
@@ -145,9 +163,10 @@ class ModelConfig:
             fused_gate_up=is_phi3,
             sliding_window=sliding_window,
             layer_windows=layer_windows,
-            rope=_rope_config(hf, head_dim),
+            rope=rope,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **gemma,
         )
 
     @classmethod
@@ -167,6 +186,9 @@ def _layer_windows(hf: dict[str, Any], model_type: str, sliding_window: int | No
         return None
     layers = hf["num_hidden_layers"]
     types = hf.get("layer_types")
+    pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern")
+    if types is None and model_type in _GEMMA and pattern:  # transformers 4.x: every pattern-th layer is global
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     if types is None and model_type == "qwen2":
         first = hf.get("max_window_layers", layers)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
@@ -178,6 +200,28 @@ def _layer_windows(hf: dict[str, Any], model_type: str, sliding_window: int | No
     if unknown:
         raise ValueError(f"layer_types holds {unknown}; kvjax knows sliding_attention and full_attention")
     return tuple(sliding_window if t == "sliding_attention" else 0 for t in types)
+
+
+def _gemma_fields(hf: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Gemma-3's fields of `ModelConfig`: RoPE per layer type (`rope_parameters` keyed by
+    full_attention / sliding_attention in transformers 5; `rope_theta`, `rope_scaling` and
+    `rope_local_base_freq` in 4.x), its norms, scales and soft-cap."""
+    params = hf.get("rope_parameters") or {}
+    length = {"max_position_embeddings": hf.get("max_position_embeddings")}
+    if "full_attention" in params:
+        full = {"rope_parameters": params["full_attention"], **length}
+        local = {"rope_parameters": params.get("sliding_attention") or params["full_attention"], **length}
+    else:
+        full = {k: hf[k] for k in ("rope_parameters", "rope_scaling", "rope_theta") if k in hf} | length
+        local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0), **length}
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"attn_logit_softcapping={hf['attn_logit_softcapping']} in config.json: kvjax's attention "
+                         "does not soft-cap its logits")
+    hidden, scalar = hf["hidden_size"], hf.get("query_pre_attn_scalar") or head_dim
+    cap = hf.get("final_logit_softcapping")
+    return dict(rope=_rope_config(full, head_dim), local_rope=_rope_config(local, head_dim), norm_offset=1.0,
+                qk_norm=True, sandwich_norms=True, embedding_scale=float(hidden) ** 0.5,
+                query_scale=float(scalar) ** -0.5, final_logit_softcap=None if cap is None else float(cap))
 
 
 def _rope_config(hf: dict[str, Any], head_dim: int) -> RopeConfig:

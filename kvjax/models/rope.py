@@ -112,14 +112,34 @@ def uses_long_factors(cfg: ModelConfig, seq_len: int) -> bool:
     return cfg.rope.rope_type == "longrope" and seq_len > cfg.rope.original_max_position_embeddings
 
 
-def rope_frequencies(cfg: ModelConfig, use_long: bool = False) -> tuple[np.ndarray, float]:
-    """Inverse frequencies `f32[rotary_dim // 2]` and the attention factor applied to cos and sin."""
-    init = ROPE_REGISTRY.get(cfg.rope.rope_type)
+def rope_frequencies(cfg: ModelConfig, use_long: bool = False) -> tuple[np.ndarray, float | np.ndarray]:
+    """Inverse frequencies `f32[rotary_dim // 2]` and the attention factor applied to cos and sin; where layers
+    differ (`cfg.per_layer_rope`: Gemma-3's local and global bases) a row per layer, `f32[L, rotary_dim // 2]`
+    and `f32[L]`, which `layer_rope` picks from."""
+    if not cfg.per_layer_rope:
+        return _frequencies(cfg, cfg.rope, use_long)
+    rows = [_frequencies(cfg, cfg.local_rope if window else cfg.rope, use_long) for window in cfg.windows]
+    return np.stack([f for f, _ in rows]), np.asarray([a for _, a in rows], np.float32)
+
+
+def _frequencies(cfg: ModelConfig, rope: RopeConfig, use_long: bool) -> tuple[np.ndarray, float]:
+    init = ROPE_REGISTRY.get(rope.rope_type)
     if init is None:
-        raise ValueError(
-            f"unsupported rope_type {cfg.rope.rope_type!r}; supported: {', '.join(sorted(ROPE_REGISTRY))}"
-        )
-    return init(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings, use_long)
+        raise ValueError(f"unsupported rope_type {rope.rope_type!r}; supported: {', '.join(sorted(ROPE_REGISTRY))}")
+    return init(rope, cfg.rotary_dim, cfg.max_position_embeddings, use_long)
+
+
+def layer_rope(rope: tuple, layer) -> tuple:
+    """Layer `layer`'s `(inv_freq f32[R/2], attention_factor)` from what `rope_frequencies` gave: the row of a
+    per-layer table (`layer` a Python int or a traced int32 scalar), or the one pair every layer shares."""
+    inv_freq, factor = rope
+    if np.ndim(inv_freq) == 1:
+        return rope
+    if layer is None:
+        raise ValueError("this model's layers differ in RoPE (a per-layer table): give the layer index")
+    if isinstance(layer, (int, np.integer)):
+        return inv_freq[layer], float(factor[layer])
+    return jnp.asarray(inv_freq)[layer], jnp.asarray(factor)[layer]
 
 
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray, attention_factor: float) -> jnp.ndarray:

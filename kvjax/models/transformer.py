@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.models.config import ModelConfig
-from kvjax.models.rope import apply_rope
+from kvjax.models.rope import apply_rope, layer_rope
 
 
 class AttentionInputs(NamedTuple):
@@ -106,17 +106,25 @@ _ACTIVATIONS = {
 
 
 class RMSNorm(nn.Module):
-    """HF's RMSNorm: normalise in float32, cast back, then scale."""
+    """HF's RMSNorm: normalise in float32, cast back, then scale. With `offset` (Gemma's, 1.0) the scale is
+    `offset + weight`, applied in float32 before the cast, as Gemma's RMSNorm does."""
 
     eps: float
     dtype: Any = jnp.float32
+    offset: float = 0.0
 
     @nn.compact
     def __call__(self, x):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (normed * (self.offset + scale.astype(jnp.float32))).astype(x.dtype)
         return scale * normed.astype(x.dtype)
+
+
+def _norm(cfg: ModelConfig, dtype) -> RMSNorm:
+    return RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_offset)
 
 
 def _dense(features: int, use_bias: bool, name: str, dtype) -> nn.Dense:
@@ -140,9 +148,13 @@ class Attention(nn.Module):
             self.k_proj = _dense(kv_size, cfg.attention_bias, None, self.dtype)
             self.v_proj = _dense(kv_size, cfg.attention_bias, None, self.dtype)
         self.o_proj = _dense(cfg.hidden_size, cfg.o_proj_bias, None, self.dtype)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = _norm(cfg, self.dtype), _norm(cfg, self.dtype)
 
     def inputs(self, x, positions, rope: tuple[np.ndarray, float]) -> AttentionInputs:
-        """`x [B, T, E]` (normed) -> what `attend` takes."""
+        """`x [B, T, E]` (normed) -> what `attend` takes; `rope` is this layer's (`layer_rope`). With
+        `cfg.query_scale`, q carries `query_scale * sqrt(D)`, so attention's own `D ** -0.5` gives the model's
+        scale on every path (dense, paged, kernels) and policies score the logits the model attends with."""
         cfg = self.cfg
         B, T, _ = x.shape
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -154,9 +166,13 @@ class Attention(nn.Module):
         q_pre = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
         k_pre = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q_pre, k_pre = self.q_norm(q_pre), self.k_norm(k_pre)
         inv_freq, attention_factor = rope
         q = apply_rope(q_pre, positions, inv_freq, attention_factor)
         k = apply_rope(k_pre, positions, inv_freq, attention_factor)
+        if cfg.query_scale is not None and cfg.query_scale * cfg.head_dim**0.5 != 1.0:
+            q = (q * (cfg.query_scale * cfg.head_dim**0.5)).astype(q.dtype)
         return AttentionInputs(q, k, v, q_pre, k_pre, positions)
 
     def output(self, out):
@@ -198,21 +214,29 @@ class DecoderLayer(nn.Module):
     dtype: Any
 
     def setup(self):
-        self.input_layernorm = RMSNorm(self.cfg.rms_norm_eps, self.dtype)
-        self.self_attn = Attention(self.cfg, self.dtype)
-        self.post_attention_layernorm = RMSNorm(self.cfg.rms_norm_eps, self.dtype)
-        self.mlp = MLP(self.cfg, self.dtype)
+        cfg = self.cfg
+        self.input_layernorm = _norm(cfg, self.dtype)
+        self.self_attn = Attention(cfg, self.dtype)
+        self.post_attention_layernorm = _norm(cfg, self.dtype)
+        self.mlp = MLP(cfg, self.dtype)
+        if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output instead
+            self.pre_feedforward_layernorm = _norm(cfg, self.dtype)
+            self.post_feedforward_layernorm = _norm(cfg, self.dtype)
 
-    def attention_inputs(self, x, positions, rope) -> AttentionInputs:
-        return self.self_attn.inputs(self.input_layernorm(x), positions, rope)
+    def attention_inputs(self, x, positions, rope, layer=None) -> AttentionInputs:
+        """`rope` as `rope_frequencies` gave it; `layer` picks its row where layers differ (`layer_rope`)."""
+        return self.self_attn.inputs(self.input_layernorm(x), positions, layer_rope(rope, layer))
 
     def after_attention(self, x, out):
         """The residual stream `x [B, T, E]` after the layer, given the attention output `out [B, T, Hq, D]`."""
-        x = x + self.self_attn.output(out)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not self.cfg.sandwich_norms:
+            x = x + self.self_attn.output(out)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(self.self_attn.output(out))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
     def __call__(self, x, layer, positions, rope, attend: AttendFn, carry):
-        out, carry = attend(layer, self.attention_inputs(x, positions, rope), carry)
+        out, carry = attend(layer, self.attention_inputs(x, positions, rope, layer), carry)
         return self.after_attention(x, out), carry
 
 
@@ -235,7 +259,7 @@ class CausalLM(nn.Module):
             self.layers = tuple(self.get_variable("params", "layers"))  # `unstack_layers`' per-layer form
         else:
             self.layers = self.param("layers", self._init_layers)
-        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        self.norm = _norm(cfg, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
 
@@ -254,8 +278,15 @@ class CausalLM(nn.Module):
 
         return jax.vmap(one)(jax.random.split(rng, cfg.num_layers))
 
-    def __call__(self, tokens, positions, rope, attend: AttendFn | Sequence[Segment], carry):
+    def embed(self, tokens):
+        """`int32[B, T] -> [B, T, H]`, scaled by `cfg.embedding_scale` (Gemma's sqrt(H), at the model's dtype)."""
         x = self.embed_tokens(tokens)
+        if self.cfg.embedding_scale is not None:
+            x = x * jnp.asarray(self.cfg.embedding_scale, self.dtype)
+        return x
+
+    def __call__(self, tokens, positions, rope, attend: AttendFn | Sequence[Segment], carry):
+        x = self.embed(tokens)
         x, carry = apply_layers(self.layers, self.cfg, self.dtype, x, positions, rope, attend, carry)
         return self.norm(x), carry
 
@@ -273,7 +304,10 @@ class CausalLM(nn.Module):
             out = jnp.einsum("...h,vh->...v", hidden.astype(self.dtype), embedding)
         else:
             out = self.lm_head(hidden)
-        return out.astype(jnp.float32)
+        out = out.astype(jnp.float32)
+        if self.cfg.final_logit_softcap is not None:  # Gemma-2's cap * tanh(logits / cap)
+            out = self.cfg.final_logit_softcap * jnp.tanh(out / self.cfg.final_logit_softcap)
+        return out
 
 
 def apply_layers(layers, cfg: ModelConfig, dtype, x, positions, rope, attend: AttendFn | Sequence[Segment], carry):
@@ -320,14 +354,14 @@ def _per_layer_segment(module: DecoderLayer, layers: Sequence[Any], seg: Segment
         return module.apply({"params": layers[seg.start]}, x, seg.start, positions, rope, seg.attend, carry)
     params = layers[seg.start : seg.stop]
     # one jitted half per side, called by every branch: traced once, not once per layer (XLA inlines it)
-    before = jax.jit(lambda p, h, positions: module.apply(
-        {"params": p}, h, positions, rope, method=DecoderLayer.attention_inputs))
+    before = jax.jit(lambda p, h, positions, layer: module.apply(
+        {"params": p}, h, positions, rope, layer, method=DecoderLayer.attention_inputs))
     after = jax.jit(lambda p, h, out: module.apply({"params": p}, h, out, method=DecoderLayer.after_attention))
 
     def body(xc, layer):
         h, c = xc
         index = layer - seg.start
-        inputs = jax.lax.switch(index, [lambda h, p=p: before(p, h, positions) for p in params], h)
+        inputs = jax.lax.switch(index, [lambda h, p=p: before(p, h, positions, layer) for p in params], h)
         out, c = seg.attend(layer, inputs, c)
         return (jax.lax.switch(index, [lambda h, out, p=p: after(p, h, out) for p in params], h, out), c), None
 
