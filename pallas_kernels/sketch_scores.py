@@ -7,11 +7,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax import lax
+
+from . import _pages
 from ._backend import default_backend_for, resolve_backend, resolve_interpret
 from ._quant import page_values
 from .quest_scores_xla import finish_scores, scoreable_pages
 
-__all__ = ["CODE_KINDS", "pack_int4", "sketch_page_scores", "sketch_page_scores_reference", "unpack_int4"]
+__all__ = ["CODE_KINDS", "pack_int4", "sketch_page_scores", "sketch_page_scores_reference", "sketch_page_scores_xla",
+           "unpack_int4"]
 
 CODE_KINDS = ("float", "int4")
 
@@ -25,9 +29,9 @@ def pack_int4(codes: jax.Array) -> jax.Array:
 
 
 def unpack_int4(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(low, high) int32 codes `[..., R]` of `int8[..., R]` packed by `pack_int4` (sign-extended nibbles)."""
-    x = packed.astype(jnp.int32)
-    return jnp.left_shift(x, 28) >> 28, x >> 4
+    """(low, high) int8 codes `[..., R]` of `int8[..., R]` packed by `pack_int4` (sign-extended nibbles, by
+    arithmetic shifts of the bytes themselves: no wider integer copy)."""
+    return jnp.left_shift(packed, 4) >> 4, packed >> 4
 
 
 def check_sketch_inputs(q, codes, page_table, lengths, codes_kind: str):
@@ -72,6 +76,36 @@ def sketch_page_scores_reference(q, codes, page_table, lengths, *, page_size: in
     return finish_scores(jnp.where(valid, scores, -jnp.inf), per_kv_head)
 
 
+def sketch_page_scores_xla(q, codes, page_table, lengths, *, page_size: int, codes_kind: str = "float",
+                           pages_per_block: int | None = None):
+    """The CPU path, f32[B, KVH, G, P]: the reference's arithmetic a block of pages at a time in a scan, so
+    each step decodes only one block's code rows (in cache) and reduces them to page maxima at once; the
+    reference decodes every slot of the context to float32 first (64 MiB a layer for int4 codes at 8K
+    tokens and 16 heads of 128, as much as the float32 keys themselves)."""
+    B, Hq, width = q.shape
+    KVH, P = page_table.shape[1:]
+    rows, group = B * KVH, Hq // KVH
+    if pages_per_block is None:  # ~2 MiB of decoded float32 rows per step
+        per_page = rows * page_size * width * 4
+        pages_per_block = max(1, min(1024, (2 << 20) // per_page))
+    pages_per_block = min(pages_per_block, P)
+    num_blocks = _pages.cdiv(P, pages_per_block)
+    pages = jnp.clip(page_table, 0, codes.shape[0] - 1).reshape(rows, P)
+    pages = _pages.pad_axis(pages, num_blocks * pages_per_block, axis=1, value=0)
+    page_blocks = jnp.swapaxes(pages.reshape(rows, num_blocks, pages_per_block), 0, 1)  # [nblk, R, nb]
+    q_rows = q.astype(jnp.float32).reshape(rows, group, width)
+
+    def score_block(carry, block_pages):
+        block = codes.at[block_pages].get(mode="promise_in_bounds")  # [R, nb, ps, W]
+        scores = slot_scores(q_rows, block.reshape(rows, pages_per_block * page_size, -1), codes_kind)
+        return carry, scores.reshape(rows, group, pages_per_block, page_size).max(axis=-1)
+
+    _, scores = lax.scan(score_block, None, page_blocks)  # [nblk, R, G, nb]
+    scores = jnp.moveaxis(scores, 0, 2).reshape(rows, group, -1)[..., :P].reshape(B, KVH, group, P)
+    valid = scoreable_pages(lengths, P, page_size)[:, :, None]
+    return jnp.where(valid, scores, -jnp.inf)
+
+
 def sketch_page_scores(
     q,  # [B, Hq, R']  the query in the sketch's space
     codes,  # [N, ps, R]  one sketch row per slot
@@ -86,19 +120,22 @@ def sketch_page_scores(
 ):
     """Sketch score of every logical page: f32[B, Hq, P] (or [B, KVH, P], max over the group, with
     `per_kv_head`); -inf past the used pages and at the current page. Backends as `quest_page_scores`: "xla"
-    (the CPU default) is the reference's form; "pallas_tpu" and "pallas_gpu" gather the pages' rows in the
-    kernel; "pallas_mosaic_gpu" scores with the XLA form."""
+    (the CPU default) scores a block of pages at a time (`sketch_page_scores_xla`); "pallas_tpu" and
+    "pallas_gpu" gather the pages' rows in the kernel; "pallas_mosaic_gpu" scores with the XLA form."""
     if backend is None:
         backend = default_backend_for(
             sketch_page_scores, dict(q=q, codes=codes, page_table=page_table, lengths=lengths),
             dict(page_size=page_size, codes_kind=codes_kind, per_kv_head=per_kv_head), interpret,
         )
     backend = resolve_backend(backend)
-    if backend in ("reference", "xla", "pallas_mosaic_gpu"):
+    if backend == "reference":
         return sketch_page_scores_reference(
             q, codes, page_table, lengths, page_size=page_size, codes_kind=codes_kind, per_kv_head=per_kv_head
         )
     check_sketch_inputs(q, codes, page_table, lengths, codes_kind)
+    if backend in ("xla", "pallas_mosaic_gpu"):
+        scores = sketch_page_scores_xla(q, codes, page_table, lengths, page_size=page_size, codes_kind=codes_kind)
+        return finish_scores(scores, per_kv_head)
     if backend == "pallas_tpu":
         from .sketch_scores_tpu import sketch_scores_tpu as kernel
     else:
