@@ -18,6 +18,8 @@ def cmd_generate(args) -> int:
     from kvjax.util.compilation_cache import enable_compilation_cache
     from kvjax.policies.options import parse_policy_options
 
+    if args.state is not None:
+        return cmd_generate_from_state(args)
     if args.mesh:  # join the multi-process runtime (kvjax.distributed.launch) before any JAX computation
         from kvjax import distributed as dist
 
@@ -74,6 +76,75 @@ def cmd_generate(args) -> int:
             f"generate {finished - loaded:.2f}s incl. compile]",
             file=sys.stderr,
         )
+    return 0
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is None and args.prompt_file is None:
+        raise SystemExit("give --prompt TEXT or --prompt-file FILE")
+    if args.prompt_file is None:
+        return args.prompt
+    with open(args.prompt_file) as f:
+        return f.read()
+
+
+def cmd_prefill(args) -> int:
+    """Prefill and compress a document once and save its state (`kvjax.save_state`) for `generate --state`."""
+    import kvjax
+    from kvjax.util.compilation_cache import enable_compilation_cache
+    from kvjax.policies.options import parse_policy_options
+
+    enable_compilation_cache()
+    started = time.perf_counter()
+    policy = kvjax.make_policy(args.policy, **parse_policy_options(args.policy, args.policy_option))
+    model = kvjax.load_model(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
+    if model.tokenizer is None:
+        raise SystemExit(f"{args.model} has no tokenizer; kvjax prefill needs one to read the document")
+    ids = model.tokenizer(_read_prompt(args))["input_ids"]
+    loaded = time.perf_counter()
+    state, logits = kvjax.prefill(model, [ids], policy, page_size=args.page_size, chunk_size=args.chunk_size,
+                                  max_new_tokens=args.room, allow_longer_context=args.allow_longer_context,
+                                  progress=not args.json)
+    kvjax.save_state(state, args.save, model=model, policy=policy, logits=logits, model_name=args.model)
+    header = kvjax.read_header(args.save)
+    report = {"state": args.save, "model": args.model, "policy": header["policy"], "prompt_tokens": len(ids),
+              "pages": header["pages"], "room": header["room"], "load_s": round(loaded - started, 3),
+              "prefill_s": round(time.perf_counter() - loaded, 3)}
+    print(json.dumps(report) if args.json else
+          f"saved {args.save}: {len(ids)} tokens, {header['pages']} pages of {header['page_dtype']}, room for "
+          f"{header['room']} more tokens; prefill {report['prefill_s']:.2f}s incl. compile")
+    return 0
+
+
+def cmd_generate_from_state(args) -> int:
+    """`generate --state DIR`: the prompt is the question, fed by decode to the saved (compressed) document."""
+    import kvjax
+    from kvjax.util.compilation_cache import enable_compilation_cache
+    from kvjax.policies.options import parse_policy_options
+
+    enable_compilation_cache()
+    started = time.perf_counter()
+    header = kvjax.read_header(args.state)
+    name = header["model"]["name"] if args.model == DEFAULT_MODEL and header["model"]["name"] else args.model
+    model = kvjax.load_model(name, dtype=header["model"]["dtype"])
+    data = parse_policy_options(header["policy"]["name"], args.policy_option)  # fields the spec leaves out
+    saved = kvjax.load_state(args.state, model, extra_tokens=args.extra_tokens, **data)
+    loaded = time.perf_counter()
+    question = "" if args.prompt is None and args.prompt_file is None else _read_prompt(args)
+    ids = model.tokenizer(question, add_special_tokens=False)["input_ids"] if question else []
+    tokens = kvjax.generate_from_state(model, saved, ids, args.max_new_tokens, temperature=args.temperature,
+                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed)[0]
+    finished = time.perf_counter()
+    new_ids = [int(t) for t in tokens if t >= 0]
+    text = model.tokenizer.decode(new_ids, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"state": args.state, "model": name, "policy": header["policy"], "question_tokens": len(ids),
+                          "new_tokens": len(new_ids), "token_ids": new_ids, "text": text,
+                          "load_s": round(loaded - started, 3), "generate_s": round(finished - loaded, 3)}))
+    else:
+        print(text)
+        print(f"[state {args.state}: {len(ids)} question tokens, {len(new_ids)} new; load {loaded - started:.2f}s, "
+              f"generate {finished - loaded:.2f}s incl. compile]", file=sys.stderr)
     return 0
 
 
@@ -200,7 +271,29 @@ def build_parser() -> argparse.ArgumentParser:
                      help="generate over a device mesh, e.g. 1x8 (heads over 8 devices); over several processes "
                           "started by python -m kvjax.distributed.launch (docs/sharding.md)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--state", default=None, metavar="DIR",
+                     help="answer from a state saved by kvjax prefill: the prompt is the question, fed by decode "
+                          "(--model defaults to the state's, its policy is the saved one)")
+    gen.add_argument("--extra-tokens", type=int, default=None,
+                     help="with --state: room for this many question and answer tokens (default: the saved room)")
     gen.set_defaults(func=cmd_generate)
+
+    pre = sub.add_parser("prefill", help="prefill and compress a document once and save its state (generate --state)")
+    pre.add_argument("--model", default=DEFAULT_MODEL, help="as for generate")
+    pre_source = pre.add_mutually_exclusive_group()
+    pre_source.add_argument("--prompt", help="document text")
+    pre_source.add_argument("--prompt-file", help="file holding the document")
+    pre.add_argument("--save", required=True, metavar="DIR", help="directory the state is saved into (replaced)")
+    pre.add_argument("--policy", default="full", help="cache policy name (kvjax.make_policy)")
+    pre.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE", help="policy option, repeatable")
+    pre.add_argument("--room", type=int, default=256, help="tokens of question and answer the saved state has room for")
+    pre.add_argument("--page-size", type=int, default=16)
+    pre.add_argument("--chunk-size", type=int, default=512)
+    pre.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    pre.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "int8"], help="KV page dtype")
+    pre.add_argument("--allow-longer-context", action="store_true")
+    pre.add_argument("--json", action="store_true", help="print one JSON object")
+    pre.set_defaults(func=cmd_prefill)
 
     demo = sub.add_parser("demo", add_help=False,
                           help="retrieval accuracy and decode speed of several policies (kvjax demo --help)")

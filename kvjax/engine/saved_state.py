@@ -1,0 +1,368 @@
+"""A prefilled (and compressed) `KVState` saved to a directory and loaded back to decode from: the pages in
+use with their metadata and the policy's, under a JSON header naming the model, the policy and the layout.
+
+Notes: docs/modules.md (`kvjax/engine/saved_state.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache.state import CacheCapacityError, KeySketch, KVState, init_state, pages_for
+from kvjax.engine.generation import as_token_row, continue_rows, policy_or_full
+from kvjax.models.loading import Model
+from kvjax.policies import POLICY_REGISTRY, Policy, make_policy
+
+FORMAT, VERSION = "kvjax.saved_state", 1
+HEADER_FILE, TENSOR_FILE = "header.json", "state.safetensors"
+# per-page fields (the scales only exist for int8 pages) and per-sequence fields, as stored
+PAGE_FIELDS = ("k_pages", "v_pages", "kmin", "kmax", "slot_pos", "slot_score", "k_scale", "v_scale")
+ROW_FIELDS = ("page_table", "lengths", "hole", "next_position")
+EMPTY_PAGE = {"kmin": np.inf, "kmax": -np.inf, "slot_pos": -1}  # what an unallocated page holds (else 0)
+
+
+class SavedStateError(ValueError):
+    """A saved state refused: names the directory and what does not match (nothing is loaded)."""
+
+
+class SavedState(NamedTuple):
+    """What `load_state` returns: the `state` (B sequences, room for `room` more tokens each), the `policy`
+    that continues it, the `logits f32[B, V]` at each prompt's last token (None if not saved) and the header."""
+
+    state: KVState
+    policy: Policy
+    logits: jax.Array | None
+    room: int
+    header: dict
+
+
+# ------------------------------------------------------------------------------------------ identities
+
+
+def model_identity(model: Model, name: str | None = None) -> dict:
+    """The model a state belongs to: a hash of its config and a fingerprint of its weights (the first and
+    last elements of every parameter, in its dtype), so a fine-tuned copy of one config is told apart."""
+    config = json.dumps(dataclasses.asdict(model.cfg), sort_keys=True, default=str).encode()
+    weights = hashlib.blake2b(digest_size=16)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]:
+        flat = jnp.ravel(leaf)
+        sample = np.asarray(jnp.concatenate([flat[:16], flat[-16:]]).astype(jnp.float32))
+        weights.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode() + sample.tobytes())
+    return {"name": name, "config_hash": hashlib.blake2b(config, digest_size=16).hexdigest(),
+            "weights_fingerprint": weights.hexdigest(), "dtype": jnp.dtype(model.dtype).name}
+
+
+def policy_spec(policy: Policy) -> dict:
+    """`{"name": ..., field: value, ...}`: the policy's identity (its compared dataclass fields; wrapped
+    policies as nested specs). Data fields such as Locret's heads are left out: `policy_from_spec` takes them."""
+    spec = {"name": policy.name}
+    for field in dataclasses.fields(policy):
+        if field.compare:
+            value = getattr(policy, field.name)
+            spec[field.name] = policy_spec(value) if isinstance(value, Policy) else value
+    return spec
+
+
+def policy_from_spec(spec: dict, **data: Any) -> Policy:
+    """The policy `policy_spec` described, with `data` (fields the spec leaves out, e.g. `heads=`) added."""
+    options = {k: policy_from_spec(v) if isinstance(v, dict) and "name" in v else v for k, v in spec.items() if k != "name"}
+    cls = POLICY_REGISTRY.get(spec["name"])
+    if cls is None:
+        raise ValueError(f"unknown policy {spec['name']!r}")
+    return cls(**options, **data)
+
+
+def _encode_tree(tree: Any, prefix: str, tensors: dict) -> Any:
+    """A pytree of arrays as JSON naming tensors (dicts, tuples and lists kept), its leaves put in `tensors`."""
+    if isinstance(tree, dict):
+        return {"dict": {k: _encode_tree(v, f"{prefix}.{k}", tensors) for k, v in tree.items()}}
+    if isinstance(tree, (tuple, list)):
+        return {type(tree).__name__: [_encode_tree(v, f"{prefix}.{i}", tensors) for i, v in enumerate(tree)]}
+    tensors[prefix] = np.asarray(tree)
+    return {"tensor": prefix}
+
+
+def _decode_tree(node: dict, tensors: dict) -> Any:
+    (kind, value), = node.items()
+    if kind == "dict":
+        return {k: _decode_tree(v, tensors) for k, v in value.items()}
+    if kind in ("tuple", "list"):
+        items = [_decode_tree(v, tensors) for v in value]
+        return tuple(items) if kind == "tuple" else items
+    return jnp.asarray(tensors[value])
+
+
+# ------------------------------------------------------------------------------------------ room
+
+
+def _grows(policy: Policy, layer: int) -> bool:
+    """Whether `layer`'s slots grow while decoding (not a layer the policy evicts in at every step)."""
+    return not (policy.evicts_while_decoding and policy.compresses_layer(layer))
+
+
+def growth_tokens(policy: Policy, lengths: np.ndarray, room: int) -> np.ndarray:
+    """Slots each head of `lengths int[L, B, H]` may add while `room` tokens are appended: `room`, or in a
+    layer the policy evicts in, what it takes to reach its decode budget plus the step's new slot."""
+    out = np.full(lengths.shape, room, np.int64)
+    for l in range(lengths.shape[0]):
+        if not _grows(policy, l):
+            out[l] = np.clip(policy.decode_budget + 1 - lengths[l], min(1, room), room)
+    return out
+
+
+def state_room(state: KVState, policy: Policy, context: int) -> int:
+    """Tokens every sequence of `state` can still append before a growing layer reaches its read bound (with
+    no growing layer: before `context`, the model's positions)."""
+    lengths = np.asarray(state.lengths)  # [L, B, H]
+    rooms = [state.layer_read_pages(l) * state.page_size - int(lengths[l].max())
+             for l in range(lengths.shape[0]) if _grows(policy, l)]
+    return max(0, min(rooms) if rooms else context - int(np.max(np.asarray(state.next_position))))
+
+
+# ------------------------------------------------------------------------------------------ save
+
+
+def save_state(state: KVState, path: str | os.PathLike, *, model: Model, policy: Policy | None = None,
+               logits: jax.Array | None = None, model_name: str | None = None) -> str:
+    """Save `state` (a prefill under `policy` of `model`, B sequences) into directory `path` (replaced): the
+    pages its tables reference (a pool compacted to them), their K/V, scales, min/max, positions and scores,
+    the tables, lengths, holes and next positions, a selector's key sketch, and `logits f32[B, V]` (the
+    prefill's, for a first token sampled before any question). `header.json` records the model's identity
+    (`model_identity`, `model_name` as given to `load_model`), the policy's spec, the layout and the
+    tensors' checksum. Returns the path."""
+    policy = policy_or_full(policy)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+        raise ValueError("save_state takes a concrete state, not one traced inside jit")
+    if int(np.asarray(state.overflow)[0]) != 0:
+        raise ValueError("the state overflowed its capacity (state.overflow is set): it holds an incomplete step")
+    table = np.asarray(state.page_table)
+    used = np.unique(table[table >= 0])
+    remap = np.full(state.num_pages, -1, np.int32)
+    remap[used] = np.arange(used.size, dtype=np.int32)
+    tensors = {"page_table": np.where(table >= 0, remap[np.maximum(table, 0)], -1).astype(np.int32)}
+    taken = jnp.asarray(used)
+    for name in PAGE_FIELDS:
+        array = getattr(state, name)
+        if array is not None:
+            array = array[taken]
+            if array.dtype == jnp.bfloat16:  # pages held as bfloat16 (off CPU): stored as bit patterns
+                array = jax.lax.bitcast_convert_type(array, jnp.uint16) if name.endswith("pages") else array.astype(jnp.float32)
+            tensors[name] = np.asarray(array)
+    for name in ROW_FIELDS[1:]:
+        tensors[name] = np.asarray(getattr(state, name))
+    sketch = None
+    if state.key_sketch is not None:
+        tensors["key_sketch.codes"] = np.asarray(state.key_sketch.codes[taken])
+        sketch = _encode_tree(state.key_sketch.params, "key_sketch.params", tensors)
+    if logits is not None:
+        tensors["logits"] = np.asarray(logits, np.float32).reshape(table.shape[1], -1)
+    header = {
+        "format": FORMAT, "version": VERSION, "model": model_identity(model, model_name),
+        "policy": policy_spec(policy), "page_size": state.page_size, "page_dtype": state.page_dtype.name,
+        "batch": int(table.shape[1]), "table_width": state.max_pages,
+        "read_pages": None if state.read_pages is None else list(state.read_pages), "long_rope": state.long_rope,
+        "pages": int(used.size), "tokens": tensors["next_position"].tolist(),
+        "room": state_room(state, policy, model.cfg.max_position_embeddings), "key_sketch": sketch,
+    }
+    from safetensors.numpy import save_file
+
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".saving-", dir=parent)  # written whole, then moved into place
+    try:
+        save_file(tensors, os.path.join(staging, TENSOR_FILE))
+        header["checksum"] = _checksum(os.path.join(staging, TENSOR_FILE))
+        with open(os.path.join(staging, HEADER_FILE), "w") as f:
+            json.dump(header, f, indent=1)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.replace(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path
+
+
+def _checksum(file: str) -> dict:
+    digest = hashlib.blake2b(digest_size=16)
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return {"blake2b": digest.hexdigest(), "bytes": os.path.getsize(file)}
+
+
+# ------------------------------------------------------------------------------------------ load
+
+
+def read_header(path: str | os.PathLike) -> dict:
+    """The header of the state saved in directory `path`; SavedStateError when missing or not one."""
+    file = os.path.join(os.fspath(path), HEADER_FILE)
+    try:
+        with open(file) as f:
+            header = json.load(f)
+    except FileNotFoundError:
+        raise SavedStateError(f"{path}: no saved state here ({HEADER_FILE} missing)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise SavedStateError(f"{file}: corrupt header ({error})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise SavedStateError(f"{file}: not a kvjax saved state (format {header.get('format') if isinstance(header, dict) else None!r})")
+    if header.get("version") != VERSION:
+        raise SavedStateError(f"{file}: format version {header.get('version')!r}, this kvjax reads version {VERSION}")
+    return header
+
+
+def check_header(path, header: dict, model: Model, page_size: int | None = None, page_dtype=None) -> None:
+    """Refuse (SavedStateError, one line) a state of another model, page size or page dtype than asked."""
+    saved, ours = header["model"], model_identity(model)
+    if saved["config_hash"] != ours["config_hash"]:
+        raise SavedStateError(f"{path}: saved for another model ({saved['name'] or 'unnamed'}, config "
+                              f"{saved['config_hash']}; this model's config is {ours['config_hash']})")
+    if saved["weights_fingerprint"] != ours["weights_fingerprint"]:
+        raise SavedStateError(f"{path}: saved for another model's weights ({saved['name'] or 'unnamed'}, "
+                              f"{saved['dtype']}): same config, different parameters or dtype")
+    if page_size is not None and header["page_size"] != page_size:
+        raise SavedStateError(f"{path}: saved with page size {header['page_size']}, page size {page_size} was asked for")
+    if page_dtype is not None and header["page_dtype"] != jnp.dtype(page_dtype).name:
+        raise SavedStateError(f"{path}: saved with {header['page_dtype']} pages, {jnp.dtype(page_dtype).name} "
+                              "pages were asked for")
+
+
+def continuing_policy(path, header: dict, policy: Policy | None, **policy_data) -> Policy:
+    """The policy that continues the saved state: `policy` when it is the one saved (SavedStateError
+    otherwise), or the saved spec rebuilt with `policy_data` (fields it leaves out, e.g. Locret's heads)."""
+    spec = header["policy"]
+    if policy is None:
+        try:
+            return policy_from_spec(spec, **policy_data)
+        except (ValueError, TypeError) as error:
+            raise SavedStateError(f"{path}: cannot rebuild policy {spec['name']!r} from the state ({error}); pass "
+                                  "policy= or its data fields") from None
+    given = policy_spec(policy)
+    if json.loads(json.dumps(given, default=str)) != spec:
+        raise SavedStateError(f"{path}: saved under policy {spec}, which policy {given} cannot continue from "
+                              "(its pages were kept, and its metadata written, for the saved one)")
+    return policy
+
+
+def load_state(path: str | os.PathLike, model: Model, *, policy: Policy | None = None, extra_tokens: int | None = None,
+               page_size: int | None = None, page_dtype=None, **policy_data: Any) -> SavedState:
+    """Load the state `save_state` wrote into directory `path`, for `model`, on the default device, with a
+    pool of its pages plus the pages `extra_tokens` more tokens per sequence need (default: the room the
+    saved state had). Refuses by name, before building anything (`SavedStateError`): a missing, truncated or
+    corrupt file, another model, another `page_size` or `page_dtype` than given, a `policy` other than
+    the saved one; a read bound that `extra_tokens` outgrows is widened. Returns a `SavedState`."""
+    path = os.fspath(path)
+    header = read_header(path)
+    file = os.path.join(path, TENSOR_FILE)
+    expected = header["checksum"]
+    size = os.path.getsize(file) if os.path.exists(file) else None
+    if size is None:
+        raise SavedStateError(f"{path}: {TENSOR_FILE} is missing")
+    if size != expected["bytes"]:
+        raise SavedStateError(f"{file}: truncated or resized ({size} bytes, saved {expected['bytes']})")
+    if _checksum(file)["blake2b"] != expected["blake2b"]:
+        raise SavedStateError(f"{file}: corrupt (checksum {_checksum(file)['blake2b']}, saved {expected['blake2b']})")
+    check_header(path, header, model, page_size, page_dtype)
+    policy = continuing_policy(path, header, policy, **policy_data)
+    room = header["room"] if extra_tokens is None else extra_tokens
+    if room < 0:
+        raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework="numpy") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError) as error:
+        raise SavedStateError(f"{file}: corrupt ({error})") from None
+    state = _build_state(model, header, tensors, room, policy)
+    logits = jnp.asarray(tensors["logits"]) if "logits" in tensors else None
+    return SavedState(state, policy, logits, room, header)
+
+
+def _build_state(model: Model, header: dict, tensors: dict, room: int, policy: Policy) -> KVState:
+    """The saved pages on a pool with the free pages `room` more tokens per sequence need, in the layout
+    `init_state` gives on this backend, table and read bounds widened where `room` outgrows them."""
+    lengths, ps, used = tensors["lengths"], header["page_size"], header["pages"]
+    L, B, H = lengths.shape
+    width = header["table_width"]
+    grown = pages_for(lengths + growth_tokens(policy, lengths, room), ps)  # [L, B, H] pages each head may reach
+    read_pages = header["read_pages"]
+    if read_pages is not None:
+        read_pages = tuple(max(bound, int(grown[l].max())) if _grows(policy, l) else bound
+                           for l, bound in enumerate(read_pages))
+    width = max([width, int(grown.max())] if read_pages is None else [width, *read_pages])
+    num_pages = used + int((grown - pages_for(lengths, ps)).sum())
+    template = jax.eval_shape(lambda: init_state(model.cfg, B, width * ps, ps, max(num_pages, 1),
+                                                 jnp.dtype(header["page_dtype"]), header["long_rope"]))
+    fields = {}
+    for name in PAGE_FIELDS:
+        like = getattr(template, name)
+        if like is None:
+            continue
+        saved = tensors[name]
+        if like.dtype == jnp.bfloat16 and saved.dtype == np.uint16:
+            saved = saved.view(jnp.bfloat16)
+        array = np.full(like.shape, EMPTY_PAGE.get(name, 0), like.dtype)
+        array[:used] = saved.astype(like.dtype)
+        fields[name] = array
+    table = np.full((L, B, H, width), -1, np.int32)
+    table[..., : header["table_width"]] = tensors["page_table"]
+    N = fields["k_pages"].shape[0]
+    refcount = np.bincount(table[table >= 0], minlength=N).astype(np.int32)
+    state = KVState(
+        **{name: jnp.asarray(array) for name, array in fields.items()}, page_table=jnp.asarray(table),
+        lengths=jnp.asarray(lengths), hole=jnp.asarray(tensors["hole"]),
+        next_position=jnp.asarray(tensors["next_position"]),
+        free_pages=jnp.asarray(np.concatenate([np.arange(N - 1, used - 1, -1), np.arange(used)]).astype(np.int32)),
+        num_free=jnp.asarray(N - used, jnp.int32), refcount=jnp.asarray(refcount), overflow=jnp.zeros((3,), jnp.int32),
+        long_rope=header["long_rope"], read_pages=read_pages,
+    )
+    if header["key_sketch"] is not None:
+        codes = tensors["key_sketch.codes"]
+        codes = np.concatenate([codes, np.zeros((N - used, *codes.shape[1:]), codes.dtype)])
+        state = state.replace(key_sketch=KeySketch(jnp.asarray(codes), _decode_tree(header["key_sketch"], tensors)))
+    return state
+
+
+# ------------------------------------------------------------------------------------------ decode
+
+
+def generate_from_state(model: Model, saved: SavedState, question_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+                        max_new_tokens: int = 32, **sampling: Any):
+    """Feed `question_ids` (one token list for every sequence, or one per sequence) to a copy of the saved
+    state by decode, as `generate(..., decode_last=N)` feeds a prompt's last N tokens, then sample up to
+    `max_new_tokens`: `int32[B, max_new_tokens]`, as `generate` returns (`sampling`: `continue_rows`'s
+    options). The saved state is not changed. Raises `CacheCapacityError` before any work when the question
+    and the answer need more than the state's room."""
+    B = saved.state.next_position.shape[0]
+    rows = list(question_ids)
+    rows = [rows] * B if not rows or np.ndim(rows[0]) == 0 else rows
+    if len(rows) != B:
+        raise ValueError(f"question_ids has {len(rows)} rows but the state holds {B} sequences")
+    rows = [as_token_row(r, model.cfg.vocab_size, f"question_ids[{i}]") if len(r) else np.zeros((0,), np.int32)
+            for i, r in enumerate(rows)]
+    if saved.logits is None and not all(len(r) for r in rows):
+        raise ValueError("this state was saved without its prefill logits: give a question to feed first")
+    longest = max(len(r) for r in rows)
+    if longest + max_new_tokens > saved.room:
+        raise CacheCapacityError(
+            f"a question of {longest} tokens and {max_new_tokens} new tokens need room for {longest + max_new_tokens} "
+            f"tokens, the loaded state has room for {saved.room}; load it with extra_tokens={longest + max_new_tokens}",
+            pages_for(longest + max_new_tokens, saved.state.page_size), pages_for(saved.room, saved.state.page_size))
+    state = jax.tree.map(jnp.copy, saved.state)  # decode donates its state: the saved one serves many questions
+    logits = jnp.zeros((B, model.cfg.vocab_size), jnp.float32) if saved.logits is None else saved.logits
+    return continue_rows(model, state, logits, rows, max_new_tokens, saved.policy, **sampling)
+
+
+__all__ = ["SavedState", "SavedStateError", "generate_from_state", "load_state", "model_identity", "policy_from_spec",
+           "policy_spec", "read_header", "save_state"]

@@ -1,0 +1,173 @@
+"""Saved states (kvjax.engine.saved_state): a prefill saved, loaded and continued gives the tokens the state
+kept in memory gives, for every policy that keeps state and for int8 and bfloat16 pages; refusals by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.engine.saved_state import (
+    HEADER_FILE, TENSOR_FILE, SavedStateError, generate_from_state, load_state, save_state,
+)
+from policy_cases import matrix_cases
+
+PAGE = 8
+DOC = np.random.default_rng(48).integers(3, 120, 90).tolist()
+QUESTION = [7, 19, 33, 5, 61]
+NEW = 6
+OPTIONS = {"quest": {"dense_layers": 1}, "snapkv": {"window": 8, "kernel_size": 3}}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return kvjax.load_model("tiny")
+
+
+def _prefill_and_save(model, policy, path, **prefill):
+    """The document prefilled with room for the question and the answer (as `generate(decode_last=...)` sizes
+    it), saved to `path`."""
+    state, logits = kvjax.prefill(model, [DOC], policy, page_size=PAGE, max_new_tokens=len(QUESTION) + NEW, **prefill)
+    save_state(state, path, model=model, policy=policy, logits=logits, model_name="tiny")
+    return state
+
+
+def _in_memory(model, policy):
+    """The same question answered with the state kept in memory: the evaluation's protocol."""
+    return kvjax.generate(model, [DOC + QUESTION], NEW, policy, decode_last=len(QUESTION), page_size=PAGE)
+
+
+CASES = [c for c in matrix_cases(kvjax.load_model("tiny").cfg, PAGE)
+         if not c.id.startswith("compose-") or c.id in ("compose-snapkv-quest", "compose-h2o-quest")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_loaded_state_continues_token_for_token(tiny, case, tmp_path):
+    state = _prefill_and_save(tiny, case.policy, tmp_path)
+    saved = load_state(tmp_path, tiny, policy=case.policy)
+    held = np.asarray(state.page_table)
+    assert saved.header["pages"] == len(np.unique(held[held >= 0]))  # the pool holds the pages in use only
+    assert (np.asarray(saved.state.lengths) == np.asarray(state.lengths)).all()
+    np.testing.assert_array_equal(generate_from_state(tiny, saved, QUESTION, NEW), _in_memory(tiny, case.policy))
+
+
+@pytest.mark.parametrize("kv_dtype,name", [("int8", "snapkv"), ("int8", "quest"), ("bfloat16", "h2o")])
+def test_round_trip_keeps_int8_and_bfloat16_pages(tiny, kv_dtype, name, tmp_path):
+    model = tiny.with_kv_dtype(kv_dtype)
+    policy = kvjax.make_policy(name, token_budget=32, **OPTIONS.get(name, {}))
+    _prefill_and_save(model, policy, tmp_path)
+    saved = load_state(tmp_path, model)  # the policy rebuilt from the saved spec
+    assert saved.state.page_dtype.name == kv_dtype and saved.policy == policy
+    np.testing.assert_array_equal(generate_from_state(model, saved, QUESTION, NEW), _in_memory(model, policy))
+
+
+def test_saved_state_answers_many_questions_and_stays_unchanged(tiny, tmp_path):
+    policy = kvjax.make_policy("quest", token_budget=32, dense_layers=1)
+    _prefill_and_save(tiny, policy, tmp_path)
+    saved = load_state(tmp_path, tiny)
+    first = generate_from_state(tiny, saved, QUESTION, NEW)
+    generate_from_state(tiny, saved, [9, 9, 9], NEW)
+    np.testing.assert_array_equal(generate_from_state(tiny, saved, QUESTION, NEW), first)
+    # no question: the first token comes from the saved prefill logits
+    np.testing.assert_array_equal(generate_from_state(tiny, saved, [], 1), kvjax.generate(tiny, [DOC], 1, policy, page_size=PAGE))
+
+
+@pytest.fixture(scope="module")
+def saved_snapkv(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("snapkv")
+    _prefill_and_save(tiny, kvjax.make_policy("snapkv", token_budget=32, **OPTIONS["snapkv"]), path)
+    return path
+
+
+def _damaged(source, tmp_path, damage):
+    import shutil
+
+    target = tmp_path / "state"
+    shutil.copytree(source, target)
+    damage(target)
+    return target
+
+
+def _truncate(path):
+    file = path / TENSOR_FILE
+    file.write_bytes(file.read_bytes()[: os.path.getsize(file) // 2])
+
+
+def _flip_byte(path):
+    data = bytearray((path / TENSOR_FILE).read_bytes())
+    data[-3] ^= 0xFF
+    (path / TENSOR_FILE).write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (_truncate, "truncated"),
+    (_flip_byte, "corrupt \\(checksum"),
+    (lambda p: (p / HEADER_FILE).write_text('{"format": "kvjax.saved_state", "vers'), "corrupt header"),
+    (lambda p: os.remove(p / TENSOR_FILE), "state.safetensors is missing"),
+])
+def test_damaged_files_are_refused_by_name(tiny, saved_snapkv, tmp_path, damage, message):
+    with pytest.raises(SavedStateError, match=message):
+        load_state(_damaged(saved_snapkv, tmp_path, damage), tiny)
+
+
+def test_another_model_is_refused(tiny, saved_snapkv):
+    other_config = dataclasses.replace(tiny, cfg=dataclasses.replace(tiny.cfg, rms_norm_eps=1e-5))
+    with pytest.raises(SavedStateError, match="saved for another model \\(tiny, config"):
+        load_state(saved_snapkv, other_config)
+    other_weights = dataclasses.replace(tiny, params=jax.tree.map(lambda x: x * 1.01, tiny.params))
+    with pytest.raises(SavedStateError, match="another model's weights"):
+        load_state(saved_snapkv, other_weights)
+
+
+def test_another_page_size_or_page_dtype_is_refused(tiny, saved_snapkv):
+    with pytest.raises(SavedStateError, match="saved with page size 8, page size 16 was asked for"):
+        load_state(saved_snapkv, tiny, page_size=16)
+    with pytest.raises(SavedStateError, match="float32 pages, int8 pages were asked for"):
+        load_state(saved_snapkv, tiny, page_dtype="int8")
+
+
+def test_a_policy_that_cannot_continue_is_refused(tiny, saved_snapkv, tmp_path):
+    with pytest.raises(SavedStateError, match="policy .*'h2o'.* cannot continue"):
+        load_state(saved_snapkv, tiny, policy=kvjax.make_policy("h2o", token_budget=32))
+    with pytest.raises(SavedStateError, match="cannot continue"):  # the same method at another budget
+        load_state(saved_snapkv, tiny, policy=kvjax.make_policy("snapkv", token_budget=64, **OPTIONS["snapkv"]))
+    heads = matrix_cases(tiny.cfg, PAGE)[[c.id for c in matrix_cases(tiny.cfg, PAGE)].index("locret")].policy.heads
+    _prefill_and_save(tiny, kvjax.make_policy("locret", token_budget=32, local_tail=8, stabilizers=4, heads=heads), tmp_path)
+    with pytest.raises(SavedStateError, match="cannot rebuild policy 'locret' .*heads= is required"):
+        load_state(tmp_path, tiny)
+    assert load_state(tmp_path, tiny, heads=heads).policy.name == "locret"  # its data given back
+
+
+def test_a_question_past_the_room_is_refused_before_any_work(tiny, saved_snapkv):
+    saved = load_state(saved_snapkv, tiny)
+    with pytest.raises(kvjax.CacheCapacityError, match=f"room for {saved.room}; load it with extra_tokens="):
+        generate_from_state(tiny, saved, QUESTION, saved.room)
+    roomy = load_state(saved_snapkv, tiny, extra_tokens=saved.room + 40)  # a wider pool and read bound
+    assert roomy.state.num_pages > saved.state.num_pages
+    assert generate_from_state(tiny, roomy, QUESTION, saved.room).shape == (1, saved.room)
+
+
+def test_cli_prefill_then_generate_from_the_saved_state(tiny, tmp_path, capsys):
+    import json
+
+    from kvjax.cli import main
+
+    document, question = "The secret code is blue seven. " * 3, " The secret code is"
+    doc_ids = tiny.tokenizer(document)["input_ids"]
+    q_ids = tiny.tokenizer(question, add_special_tokens=False)["input_ids"]
+    option = ["--policy", "snapkv", "--policy-option", "token_budget=16", "--policy-option", "window=4"]
+    assert main(["prefill", "--prompt", document, "--save", str(tmp_path), *option, "--room", str(len(q_ids) + NEW),
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] == len(doc_ids)
+    assert main(["generate", "--state", str(tmp_path), "--prompt", question, "--max-new-tokens", str(NEW), "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    policy = kvjax.make_policy("snapkv", token_budget=16, window=4)
+    expected = kvjax.generate(tiny, [doc_ids + q_ids], NEW, policy, decode_last=len(q_ids))[0]
+    assert answer["token_ids"] == [int(t) for t in expected if t >= 0]
+    assert main(["generate", "--state", str(tmp_path / "absent"), "--prompt", "x"]) == 2
+    assert "no saved state here" in capsys.readouterr().err
