@@ -1,8 +1,7 @@
 """kvjax: long-context KV-cache compression and sparse attention in JAX.
 
 Public API (see the README): load_model, forward_logits, make_policy, register_policy, generate, prefill,
-decode_step, generate_text, save_state, load_state,
-generate_from_state, CacheCapacityError.
+decode_step, generate_text, save_state, load_state, generate_from_state, CacheCapacityError.
 """
 
 from kvjax.models.config import ModelConfig

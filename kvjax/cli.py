@@ -227,7 +227,7 @@ def server_of(args):
         model, backend = dist.on_mesh(model, dist.mesh_from_text(args.mesh))
     config = ServerConfig(args.served_name or args.model, policy, args.max_context or model.cfg.max_position_embeddings,
                           chunk_size=args.chunk_size, page_size=args.page_size,
-                          steps_per_dispatch=args.steps_per_dispatch, max_rows=args.max_rows,
+                          steps_per_dispatch=args.steps_per_dispatch, max_rows=args.max_rows, documents_dir=args.documents,
                           prefix_cache_mb=args.prefix_cache_mb, prefill_chunks_per_step=args.prefill_chunks_per_step,
                           backend=backend)
     return model, config
@@ -339,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-chunks-per-step", type=int, default=0,
                      help="at most this many prefill chunks between two decode dispatches, so live requests keep "
                           "streaming while a long prompt prefills (0: whole prompts first)")
+    srv.add_argument("--documents", default=None, metavar="DIR",
+                     help="saved states (kvjax prefill --save DIR/ID) that requests name by id in kv_state, sending "
+                          "only the question; kept in the --prefix-cache-mb budget")
     srv.set_defaults(func=cmd_serve)
 
     train = sub.add_parser("train", help="train retaining heads (locret) or the shipped default model")

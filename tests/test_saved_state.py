@@ -152,6 +152,7 @@ def test_a_question_past_the_room_is_refused_before_any_work(tiny, saved_snapkv)
     assert generate_from_state(tiny, roomy, QUESTION, saved.room).shape == (1, saved.room)
 
 
+@pytest.mark.slow
 def test_cli_prefill_then_generate_from_the_saved_state(tiny, tmp_path, capsys):
     import json
 
@@ -171,3 +172,47 @@ def test_cli_prefill_then_generate_from_the_saved_state(tiny, tmp_path, capsys):
     assert answer["token_ids"] == [int(t) for t in expected if t >= 0]
     assert main(["generate", "--state", str(tmp_path / "absent"), "--prompt", "x"]) == 2
     assert "no saved state here" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_server_answers_concurrent_questions_from_a_saved_document(tiny, tmp_path):
+    import threading
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from kvjax.serving.http import ServerConfig, serve_in_background
+
+    policy = kvjax.make_policy("snapkv", token_budget=32, **OPTIONS["snapkv"])
+    _prefill_and_save(tiny, policy, tmp_path / "report")
+    saved = load_state(tmp_path / "report", tiny)
+    questions = ["alpha 12 beta", "gamma 56", "alpha 12 beta"]
+    expected = []
+    for question in questions:
+        ids = tiny.tokenizer(question, add_special_tokens=False)["input_ids"]
+        tokens = generate_from_state(tiny, saved, ids, NEW)[0]
+        expected.append(tiny.tokenizer.decode([int(t) for t in tokens if t >= 0], skip_special_tokens=True))
+    running = serve_in_background(tiny, ServerConfig("tiny", kvjax.make_policy("full"), max_context=1024, page_size=PAGE,
+                                                     steps_per_dispatch=4, documents_dir=str(tmp_path)))
+    try:
+        client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=300)
+        answers = [None] * len(questions)
+
+        def ask(i):
+            reply = client.completions.create(model="tiny", prompt=questions[i], max_tokens=NEW, temperature=0,
+                                              extra_body={"kv_state": "report"})
+            answers[i] = reply.choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        assert answers == expected
+        stats = running.app.state.worker.documents.stats
+        assert (stats.loads, stats.lookups) == (1, 3)  # loaded once, then served from the engine's LRU
+        with pytest.raises(openai.NotFoundError, match="no saved document 'absent'"):
+            client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"kv_state": "absent"})
+        with pytest.raises(openai.BadRequestError, match="room"):
+            client.completions.create(model="tiny", prompt="x", max_tokens=saved.room, extra_body={"kv_state": "report"})
+    finally:
+        running.stop()

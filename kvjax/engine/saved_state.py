@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.state import CacheCapacityError, KeySketch, KVState, init_state, pages_for
-from kvjax.engine.generation import as_token_row, continue_rows, policy_or_full
+from kvjax.engine.generation import as_token_row, continue_rows, feed_tokens, policy_or_full
 from kvjax.models.loading import Model
 from kvjax.policies import POLICY_REGISTRY, Policy, make_policy
 
@@ -337,13 +337,12 @@ def _build_state(model: Model, header: dict, tensors: dict, room: int, policy: P
 # ------------------------------------------------------------------------------------------ decode
 
 
-def generate_from_state(model: Model, saved: SavedState, question_ids: Sequence[int] | Sequence[Sequence[int]] = (),
-                        max_new_tokens: int = 32, **sampling: Any):
-    """Feed `question_ids` (one token list for every sequence, or one per sequence) to a copy of the saved
-    state by decode, as `generate(..., decode_last=N)` feeds a prompt's last N tokens, then sample up to
-    `max_new_tokens`: `int32[B, max_new_tokens]`, as `generate` returns (`sampling`: `continue_rows`'s
-    options). The saved state is not changed. Raises `CacheCapacityError` before any work when the question
-    and the answer need more than the state's room."""
+def question_fed(model: Model, saved: SavedState, question_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+                 max_new_tokens: int = 0) -> tuple[KVState, jax.Array]:
+    """`(state, logits f32[B, V])`: a copy of the saved state with `question_ids` (one token list for every
+    sequence, or one per sequence) fed by decode, as `generate(..., decode_last=N)` feeds a prompt's last N
+    tokens. The saved state is not changed. Raises `CacheCapacityError` before any work when the question
+    and `max_new_tokens` more need more than the state's room."""
     B = saved.state.next_position.shape[0]
     rows = list(question_ids)
     rows = [rows] * B if not rows or np.ndim(rows[0]) == 0 else rows
@@ -353,16 +352,25 @@ def generate_from_state(model: Model, saved: SavedState, question_ids: Sequence[
             for i, r in enumerate(rows)]
     if saved.logits is None and not all(len(r) for r in rows):
         raise ValueError("this state was saved without its prefill logits: give a question to feed first")
-    longest = max(len(r) for r in rows)
-    if longest + max_new_tokens > saved.room:
+    needed = max(len(r) for r in rows) + max_new_tokens
+    if needed > saved.room:
         raise CacheCapacityError(
-            f"a question of {longest} tokens and {max_new_tokens} new tokens need room for {longest + max_new_tokens} "
-            f"tokens, the loaded state has room for {saved.room}; load it with extra_tokens={longest + max_new_tokens}",
-            pages_for(longest + max_new_tokens, saved.state.page_size), pages_for(saved.room, saved.state.page_size))
+            f"a question of {needed - max_new_tokens} tokens and {max_new_tokens} new tokens need room for {needed} "
+            f"tokens, the loaded state has room for {saved.room}; load it with extra_tokens={needed}",
+            pages_for(needed, saved.state.page_size), pages_for(saved.room, saved.state.page_size))
     state = jax.tree.map(jnp.copy, saved.state)  # decode donates its state: the saved one serves many questions
     logits = jnp.zeros((B, model.cfg.vocab_size), jnp.float32) if saved.logits is None else saved.logits
-    return continue_rows(model, state, logits, rows, max_new_tokens, saved.policy, **sampling)
+    return feed_tokens(model, state, logits, rows, saved.policy)
+
+
+def generate_from_state(model: Model, saved: SavedState, question_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+                        max_new_tokens: int = 32, **sampling: Any):
+    """Feed `question_ids` to a copy of the saved state (`question_fed`), then sample up to `max_new_tokens`:
+    `int32[B, max_new_tokens]`, as `generate` returns (`sampling`: `continue_rows`'s options)."""
+    state, logits = question_fed(model, saved, question_ids, max_new_tokens)
+    no_tail = [np.zeros((0,), np.int32)] * state.next_position.shape[0]
+    return continue_rows(model, state, logits, no_tail, max_new_tokens, saved.policy, **sampling)
 
 
 __all__ = ["SavedState", "SavedStateError", "generate_from_state", "load_state", "model_identity", "policy_from_spec",
-           "policy_spec", "read_header", "save_state"]
+           "policy_spec", "question_fed", "read_header", "save_state"]

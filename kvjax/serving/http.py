@@ -58,6 +58,7 @@ class _Sampling(BaseModel):
     stream_options: dict[str, Any] | None = None  # {"include_usage": true}: a last chunk with usage
     n: int = Field(default=1, ge=1, le=1)
     kv_policy: str | dict[str, Any] | None = None
+    kv_state: str | None = None  # a saved document's id (`kvjax serve --documents`): the prompt is its question
 
 
 class CompletionBody(_Sampling):
@@ -96,6 +97,7 @@ class Job:
     text: str = ""
     sent: str = ""  # text already sent: always a prefix of the final text
     stopped_by_string: bool = False
+    document: str | None = None  # answered from this saved document (`kvjax.serving.saved_documents`)
 
     def flush(self, upto: int) -> None:
         if upto > len(self.sent):
@@ -108,8 +110,10 @@ class Worker:
     served, submits them, steps the engine while it has work, and streams each job's text."""
 
     def __init__(self, model: Model, chunk_size: int, page_size: int, steps_per_dispatch: int, max_rows: int = 4,
-                 capacity: int = 2048, prefix_cache_mb: int = 256, prefill_chunks_per_step: int = 0, backend=None):
+                 capacity: int = 2048, prefix_cache_mb: int = 256, prefill_chunks_per_step: int = 0, backend=None,
+                 documents_dir: str | None = None):
         from kvjax.serving.batch_engine import BatchEngine
+        from kvjax.serving.saved_documents import SavedDocuments
 
         self.model = model
         self.new_engine = lambda: BatchEngine(model, max_rows=max_rows, capacity=capacity, page_size=page_size,  # noqa: E731
@@ -117,6 +121,8 @@ class Worker:
                                               prefix_cache_bytes=prefix_cache_mb << 20,
                                               prefill_chunks_per_step=prefill_chunks_per_step, backend=backend)
         self.engine = self.new_engine()
+        # saved documents live in the engine's byte-bounded LRU, beside its prefix states
+        self.documents = documents_dir and SavedDocuments(documents_dir, model, self.engine.cache, page_size)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.running: dict[str, Job] = {}
         self.thread = threading.Thread(target=self._loop, name="kvjax-serve", daemon=True)
@@ -150,6 +156,8 @@ class Worker:
                     job.emit("error", failure)
                 self.running.clear()
                 self.engine = self.new_engine()
+                if self.documents:
+                    self.documents.lru = self.engine.cache
                 continue
             for rid in [rid for rid, job in self.running.items() if self.engine.requests[rid].finished]:
                 self._finish(rid)
@@ -157,11 +165,16 @@ class Worker:
     def _start(self, job: Job) -> None:
         if job.cancelled.is_set():
             return
+        sampling = dict(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.seed,
+                        on_tokens=self._on_tokens_of(job))
         try:
-            rid = self.engine.submit(
-                np.asarray(job.prompt_ids, np.int32), job.max_tokens, job.policy, temperature=job.temperature,
-                top_k=job.top_k, top_p=job.top_p, seed=job.seed, on_tokens=self._on_tokens_of(job),
-            )
+            if job.document is not None:
+                rid = self.documents.submit(self.engine, job.document, job.prompt_ids, job.max_tokens, **sampling)
+            else:
+                rid = self.engine.submit(np.asarray(job.prompt_ids, np.int32), job.max_tokens, job.policy, **sampling)
+        except FileNotFoundError as error:
+            job.emit("error", APIError(404, f"kv_state: {error}", param="kv_state"))
+            return
         except ValueError as error:
             job.emit("error", APIError(400, str(error)))
             return
@@ -230,6 +243,7 @@ class ServerConfig:
     prefix_cache_mb: int = 256  # prefill states kept for prompts sharing whole chunks (0: off)
     prefill_chunks_per_step: int = 0  # prefill chunks between two dispatches (0: whole prompts first)
     backend: Any = None  # the engine's StepBackend (None: one device; `kvjax.distributed.on_mesh`: heads over a mesh)
+    documents_dir: str | None = None  # saved states requests may name by id (`kv_state`) instead of sending them
 
 
 def create_app(model: Model, config: ServerConfig) -> FastAPI:
@@ -238,7 +252,8 @@ def create_app(model: Model, config: ServerConfig) -> FastAPI:
         raise ValueError("kvjax serve needs a model with a tokenizer")
     app = FastAPI(title="kvjax", description="OpenAI-compatible completions over kvjax's compressed KV caches")
     worker = Worker(model, config.chunk_size, config.page_size, config.steps_per_dispatch, config.max_rows,
-                    config.max_context, config.prefix_cache_mb, config.prefill_chunks_per_step, config.backend)
+                    config.max_context, config.prefix_cache_mb, config.prefill_chunks_per_step, config.backend,
+                    config.documents_dir)
     app.state.worker = worker
     created = int(time.time())
 
@@ -275,8 +290,8 @@ def create_app(model: Model, config: ServerConfig) -> FastAPI:
                 raise APIError(400, "prompt: one prompt per request (a list of several strings is not supported)",
                                param="prompt")
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            return list(model.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, str):  # a saved document's question continues it: no special tokens
+            return list(model.tokenizer(prompt, add_special_tokens=body.kv_state is None)["input_ids"])
         if any(not 0 <= t < model.cfg.vocab_size for t in prompt):
             raise APIError(400, f"prompt: token ids must be in [0, {model.cfg.vocab_size})", param="prompt")
         return list(prompt)
@@ -296,8 +311,13 @@ def create_app(model: Model, config: ServerConfig) -> FastAPI:
                                 f"server's context of {config.max_context} tokens", param="max_tokens",
                            code="context_length_exceeded")
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if body.kv_state is not None and (config.documents_dir is None or body.kv_policy is not None):
+            raise APIError(400, "kv_state: this server has no saved documents (kvjax serve --documents DIR)"
+                           if config.documents_dir is None else "kv_state: a saved document decodes under its saved "
+                           "policy; drop kv_policy", param="kv_state")
         return Job(prompt_ids, max_tokens, build_policy(body.kv_policy, config.default_policy), body.temperature,
-                   body.top_p, body.top_k, body.seed if body.seed is not None else 0, tuple(s for s in stop if s), emit)
+                   body.top_p, body.top_k, body.seed if body.seed is not None else 0, tuple(s for s in stop if s), emit,
+                   document=body.kv_state)
 
     async def run(body: _Sampling, prompt_ids: list[int], max_tokens: int | None, chat: bool):
         loop = asyncio.get_running_loop()
