@@ -288,7 +288,7 @@ def test_unsupported_architecture_and_unknown_tensor(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' is not supported; kvjax reads: llama, qwen2"):
+    with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' is not supported; kvjax reads: gemma3, llama, qwen2"):
         kvjax.load_model(tmp_path / "gpt2.gguf")
     path = write_gguf(tmp_path / "odd.gguf", llama(), tokenizer=False,
                       extra_tensors={"blk.0.attn_sinks.weight": np.zeros(4)})

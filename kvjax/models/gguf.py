@@ -13,7 +13,7 @@ import numpy as np
 from kvjax.models.convert import CheckpointError
 
 # llama.cpp architecture -> HF model_type; "llama" files whose general.name says Mistral become "mistral".
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
 # architectures whose converter permuted the rows of Q and K for llama.cpp's interleaved RoPE
 _PERMUTED_QK = ("llama",)
 
@@ -33,17 +33,26 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma-3's four norms and QK-norm; its ffn_norm is the MLP's own input norm, not Llama's post-attention one
+_ARCH_BLOCK_NAMES = {"gemma3": {
+    **_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}}
+# architectures whose converter stored Gemma's norm weights w as 1 + w (llama.cpp's RMSNorm multiplies by the weight)
+_NORMS_PLUS_ONE = ("gemma3",)
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3 files: per-frequency divisors of the RoPE frequencies
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for a name with no HF twin."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (names as llama.cpp's architecture
+    `arch` uses them); None for a name with no HF twin."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
     match = _BLOCK_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}.{match.group(3)}"
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{match.group(3)}"
     return None
 
 
@@ -157,7 +166,8 @@ def hf_config(meta: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str
     elif scaling != "none":
         raise ValueError(f"GGUF {arch}.rope.scaling.type {scaling!r} is not supported (none, linear, yarn)")
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    return {
+    extra = _gemma3_config(meta, key, rope, heads, head_dim, hidden) if arch == "gemma3" else {}
+    return extra | {
         "model_type": model_type,
         "vocab_size": int(vocab_size),
         "hidden_size": int(key("embedding_length", hidden)),
@@ -168,11 +178,35 @@ def hf_config(meta: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str
         "head_dim": None if head_dim is None else int(head_dim),
         "max_position_embeddings": int(key("context_length", 2048)),
         "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_parameters": rope,
+        "rope_parameters": extra.get("rope_parameters", rope),
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
         "attention_bias": "blk.0.attn_q.bias" in tensor_shapes,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": None if eos is None else int(eos),
+    }
+
+
+def _gemma3_config(meta: dict, key, rope: dict, heads: int, head_dim, hidden: int) -> dict[str, Any]:
+    """Gemma-3's config fields as llama.cpp reads them: every sixth layer global unless
+    `gemma3.attention.sliding_window_pattern` says otherwise (a period, or a flag per layer, true = sliding),
+    local RoPE base 10000 unless `gemma3.rope.freq_base_swa`, query scale from head_dim (27B: hidden / heads)."""
+    layers = int(key("block_count"))
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise CheckpointError(f"GGUF gemma3.attention.sliding_window_pattern has {len(pattern)} entries for "
+                                  f"{layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    head_dim = int(head_dim) if head_dim is not None else hidden // heads
+    local = {"rope_type": "default", "rope_theta": _f32(key("rope.freq_base_swa", 10000.0))}
+    return {
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": int(key("attention.sliding_window")),
+        "rope_parameters": {"full_attention": rope, "sliding_attention": local},
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,  # llama.cpp's rule (62: 27B)
+        "hidden_activation": "gelu_pytorch_tanh",
     }
 
 
@@ -201,11 +235,12 @@ def _read(path, threads=None):
     meta = metadata(reader)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     config = hf_config(meta, shapes)
-    unknown = [t.name for t in reader.tensors if t.name != _ROPE_FREQS and hf_tensor_name(t.name) is None]
+    arch = meta["general.architecture"]
+    unknown = [t.name for t in reader.tensors if t.name != _ROPE_FREQS and hf_tensor_name(t.name, arch) is None]
     if unknown:
         raise CheckpointError(f"GGUF file {path!r} has tensors kvjax cannot map to a {config['model_type']} "
                               f"model: {', '.join(unknown)}")
-    permute = meta["general.architecture"] in _PERMUTED_QK
+    permute = arch in _PERMUTED_QK
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
     def convert(tensor):
@@ -213,13 +248,15 @@ def _read(path, threads=None):
         match = _BLOCK_RE.fullmatch(tensor.name)
         if permute and match and match.group(2) in heads:
             values = unpermute_rows(values, heads[match.group(2)])
+        if arch in _NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
+            values = values - np.float32(1.0)
         return tensor.name, values
 
     with ThreadPoolExecutor(threads or min(4, os.cpu_count() or 1)) as pool:
         converted = dict(pool.map(convert, reader.tensors))
     if _ROPE_FREQS in converted:
         config["rope_parameters"] = _rope_freqs_parameters(config, converted.pop(_ROPE_FREQS))
-    return config, {hf_tensor_name(name): values for name, values in converted.items()}, meta
+    return config, {hf_tensor_name(name, arch): values for name, values in converted.items()}, meta
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):
