@@ -72,6 +72,32 @@ def test_engine_equals_generate_per_request(model, cases, case_id):
     assert engine.dispatches < sum(n for _, n, _ in REQUESTS)  # rows really shared dispatches
 
 
+SELECTORS = {  # every page selector, selecting in layer 1 of 2 at 3 pages of 8 slots a head
+    "quest_adaptive": dict(dense_layers=1, top_p=0.9), "quest_static": dict(dense_layers=1, page_size=PAGE_SIZE),
+    "loki": dict(dense_layers=1, rank=4), "key_int4": dict(dense_layers=1),
+}
+
+
+@pytest.mark.parametrize("name", list(SELECTORS))
+def test_engine_equals_generate_with_every_selector(model, name):
+    """The selectors beyond Quest (a key sketch fitted to each prompt: the batch gets one at its first row,
+    each row's fit beside its pages) and Quest's variants, rows joining and leaving. Then two prompts with a
+    common 40-token prefix decode side by side: rows of a sketch do not share the prefix's pages, whose codes
+    were written with the other row's fit."""
+    policy = kvjax.make_policy(name, token_budget=32, **SELECTORS[name])
+    _check_engine(model, policy)
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, VOCAB, size=40).tolist()
+    rows = [prefix + rng.integers(0, VOCAB, size=n).tolist() for n in (6, 9)]
+    engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=CHUNK)
+    ids = [engine.submit(row, 6, policy, eos_token_id=-1) for row in rows]
+    out = engine.run()
+    for rid, row in zip(ids, rows):
+        tokens, logprobs = _alone(model, row, 6, 0, policy)
+        assert out[rid].tokens == tokens
+        np.testing.assert_allclose(out[rid].logprobs, logprobs, atol=2e-4)
+
+
 @pytest.mark.parametrize("case_id", ["snapkv", "h2o"])
 def test_engine_equals_generate_with_sliding_windows(model, cases, case_id):
     """Gemma-2's pattern (layer 0 windowed to 16 tokens, layer 1 full): the window moves while rows decode,

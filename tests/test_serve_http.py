@@ -118,6 +118,21 @@ def test_bad_requests_get_json_errors_naming_the_field(client, kwargs, param, st
     assert error.get("param") == param, info.value.body
 
 
+@pytest.mark.parametrize("spec", ["key_int4:token_budget=64", "loki:token_budget=64", "quest:token_budget=64",
+                                  "quest_adaptive:token_budget=64", "quest_static:token_budget=64"])
+def test_every_selector_answers_as_generate(model, client, spec):
+    """A selector given by name in a request (here selecting in layers 2 and 3 of the tiny model's 4, over a
+    prompt of 4 pages a head) answers what `generate` gives; the key sketch selectors answered 500 ("needs the
+    state's key sketch") before the batch engine carried each row's sketch."""
+    prompt = " ".join([PROMPT] * 6)
+    ids = model.tokenizer(prompt)["input_ids"]
+    name, budget = spec.split(":token_budget=")
+    policy = kvjax.make_policy(name, token_budget=int(budget))
+    reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"kv_policy": spec})
+    assert len(ids) > 3 * 16 and reply.choices[0].text == expected(model, ids, 8, policy)
+
+
 def test_concurrent_requests_queue_and_all_finish(model, server):
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
     prompts = [f"alpha {i} beta {i + 1}" for i in range(6)]

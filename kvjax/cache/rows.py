@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.compaction import push_free
-from kvjax.cache.state import OVERFLOW_NONE, OVERFLOW_POOL, KVState
+from kvjax.cache.state import OVERFLOW_NONE, OVERFLOW_POOL, KeySketch, KVState
 
 # per-page fields copied with a page (the scales only exist for int8 pages)
 _PAGE_FIELDS = ("k_pages", "v_pages", "kmin", "kmax", "slot_pos", "slot_score", "k_scale", "v_scale")
@@ -35,7 +35,10 @@ def insert_row(batch: KVState, row: KVState, slot: jax.Array, share_from: jax.Ar
     Prefix sharing: with `share_from` (int32[], a live row of `batch`) and `shared_pages` (int32[]), the
     first `shared_pages` logical pages of every (layer, head) are not copied but point at `share_from`'s
     physical pages, whose refcounts grow by one; the caller guarantees those pages hold the same slots
-    (the same whole-page prefix, prefilled the same way) and that no policy rewrites them."""
+    (the same whole-page prefix, prefilled the same way) and that no policy rewrites them.
+
+    A selector's key sketch (`row.key_sketch`) travels with the row: its codes with the pages, its fit into
+    row `slot` of the batch's params; a batch without one gets an empty sketch of the row's shapes first."""
     N = batch.num_pages
     L, _, H, Pr = row.page_table.shape
     bL, _, bH, P = batch.page_table.shape
@@ -66,10 +69,12 @@ def insert_row(batch: KVState, row: KVState, slot: jax.Array, share_from: jax.Ar
     overflow = jnp.where(first_failure, jnp.stack([OVERFLOW_POOL, need, batch.num_free]).astype(jnp.int32),
                          batch.overflow)
     keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+    sketch = _inserted_sketch(batch, row, dst, src, slot, keep)
     refcount = batch.refcount.at[dst].set(1, mode="drop")
     refcount = refcount.at[jnp.where(shared & ok, source, N)].add(1, mode="drop")
     return batch.replace(
         **copies,
+        key_sketch=sketch,
         page_table=batch.page_table.at[:, slot].set(keep(new_table, batch.page_table[:, slot])),
         lengths=batch.lengths.at[:, slot].set(keep(row.lengths[:, 0], batch.lengths[:, slot])),
         hole=batch.hole.at[:, slot].set(keep(row.hole[:, 0], batch.hole[:, slot])),
@@ -78,6 +83,23 @@ def insert_row(batch: KVState, row: KVState, slot: jax.Array, share_from: jax.Ar
         num_free=batch.num_free - jnp.where(ok, need, 0),
         overflow=overflow,
     )
+
+
+def _inserted_sketch(batch: KVState, row: KVState, dst, src, slot, keep) -> KeySketch | None:
+    """`batch`'s key sketch with sequence 0 of `row`'s copied in: code rows of the copied pages at `dst`,
+    the row's fit (params `[L, 1, H, ...]`) at `slot` (params `[L, B, H, ...]`)."""
+    if row.key_sketch is None:
+        return batch.key_sketch
+    sketch = batch.key_sketch
+    if sketch is None:
+        codes = row.key_sketch.codes
+        widen = lambda x: jnp.zeros((x.shape[0], batch.page_table.shape[1], *x.shape[2:]), x.dtype)  # noqa: E731
+        sketch = KeySketch(jnp.zeros((batch.num_pages, *codes.shape[1:]), codes.dtype),
+                           jax.tree.map(widen, row.key_sketch.params))
+    codes = sketch.codes.at[dst].set(row.key_sketch.codes[src], mode="drop")
+    params = jax.tree.map(lambda b, r: b.at[:, slot].set(keep(r[:, 0], b[:, slot])), sketch.params,
+                          row.key_sketch.params)
+    return KeySketch(codes, params)
 
 
 def empty_like(state: KVState, batch: int, max_pages: int, num_pages: int) -> KVState:

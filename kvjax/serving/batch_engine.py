@@ -106,9 +106,10 @@ class _Batch:
         self.keys = jnp.zeros((R, 2), jnp.uint32)
         self.rows: list[BatchRequest | None] = [None] * R
         # rows whose pages never change after prefill (no compression, no decode-time eviction, no scores,
-        # no sliding window moving) share their whole-page prefixes: chained hash of a prompt's first
-        # chunks -> (row, tokens)
-        self.shares = not (self.policy.compresses or self.policy.evicts_while_decoding or any(cfg.windows))
+        # no sliding window moving) and whose page metadata is not fitted to each prompt (a selector's key
+        # sketch) share their whole-page prefixes: chained hash of a prompt's first chunks -> (row, tokens)
+        self.shares = not (self.policy.compresses or self.policy.evicts_while_decoding or any(cfg.windows)
+                           or self.policy.keeps_key_sketch)
         self.prefixes: dict[bytes, tuple[int, int]] = {}
 
     def shared_prefix(self, boundaries: list, page_size: int) -> tuple[int, int]:
