@@ -197,9 +197,6 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     parser.add_argument("--read-gib", type=float, default=2.0, help="size of the large read used as the bound")
     parser.add_argument("--out", default=default_out("decode"))
-    parser.add_argument("--decode-forms", nargs="+", default=["per_layer"], choices=["per_layer", "stacked"],
-                        help="kvjax's decode over per-layer weights (the default) and/or over the stacked layers "
-                             "(the scan of stop 33, which copies each weight per token), each timed in every cell")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (one small width, short contexts)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -233,7 +230,6 @@ def main(argv=None):
             tqdm.write(f"{name}: skipped ({error})")
             continue
         cfg = model.cfg
-        decode_params = {"per_layer": model.decode_params, "stacked": model.params}  # each made once per width
         configs[name] = {"hidden": cfg.hidden_size, "layers": cfg.num_layers, "heads": cfg.num_heads,
                          "kv_heads": cfg.num_kv_heads, "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
                          "real_weights": bool(available[name].real)}
@@ -249,16 +245,12 @@ def main(argv=None):
                 return r
 
             theirs = rates(bench_transformers(hf, prompt, args.steps))
-            for form in args.decode_forms:
-                # the parameters kvjax's decode programs take (`Model.decode_params`, set here for the
-                # benchmark): the per-layer trees, or the stacked tree (the scan over layers)
-                model._decode = (model.params, decode_params[form])
-                ours = rates(bench_kvjax(model, prompt, args.steps))
-                results.append({"width": name, "batch": batch, "context": context, "step_cost": cost, "kvjax": ours,
-                                "transformers": theirs, "decode_form": form,
-                                "decode_speedup": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]})
-                tqdm.write(f"{name} ({form}) batch {batch} at {context}: {ours['decode_tokens_per_s']:.1f} vs "
-                           f"{theirs['decode_tokens_per_s']:.1f} tok/s ({results[-1]['decode_speedup']:.2f}x)")
+            ours = rates(bench_kvjax(model, prompt, args.steps))
+            results.append({"width": name, "batch": batch, "context": context, "step_cost": cost, "kvjax": ours,
+                            "transformers": theirs, "decode_form": "per_layer",
+                            "decode_speedup": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]})
+            tqdm.write(f"{name} batch {batch} at {context}: {ours['decode_tokens_per_s']:.1f} vs "
+                       f"{theirs['decode_tokens_per_s']:.1f} tok/s ({results[-1]['decode_speedup']:.2f}x)")
         del model, hf
     payload = {
         "benchmark": "bench_decode", "machine": machine_info(), "load": {"before": load_before, "after": cpu_load()},

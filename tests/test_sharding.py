@@ -25,9 +25,10 @@ ALL_POLICIES = ["full", "quest", "streaming", "h2o", "tova", "snapkv", "ada_snap
 RESULTS_ARGS = ("--generate", GENERATE, "--train", "8x1", "--indivisible")
 MATRIX_ARGS = ("--matrix", "1x2")
 UNSHARDED = {"loki", "key_int4"}  # selectors whose key sketch the mesh does not place yet
-# Worker runs conftest.py starts in the background as soon as tests of this module are collected: each is a
-# separate process that mostly compiles (one core), so they overlap with the rest of the suite.
-BACKGROUND_RUNS = (RESULTS_ARGS, MATRIX_ARGS)
+# Worker runs conftest.py starts in the background as soon as a test taking them is collected (args -> the
+# fixture that takes the run): each is a separate process that mostly compiles (one core), so they overlap
+# with the rest of the suite.
+BACKGROUND_RUNS = {RESULTS_ARGS: "results", MATRIX_ARGS: "matrix_results"}
 
 
 def start_worker(*args: str) -> subprocess.Popen:
@@ -99,11 +100,7 @@ def test_indivisible_heads_raise_a_clear_error(results):
     assert "'model' axis of 8" in message and "num_kv_heads=4" in message and "replicate" in message
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("KVJAX_TEST_SHARDING_ALL") != "1",
-    reason="every policy on a 2x4 mesh takes ~5 CPU-minutes; set KVJAX_TEST_SHARDING_ALL=1",
-)
+@pytest.mark.heavy  # every policy on a 2x4 mesh: ~5 CPU-minutes
 def test_every_policy_and_replicated_heads():
     spec = ",".join(f"2x4:{name}" for name in ALL_POLICIES) + ",1x8:full:replicate"
     out = run_worker("--generate", spec, "--train", "2x4")
@@ -171,17 +168,22 @@ def test_param_specs_split_heads_and_mlp():
     from kvjax.models.config import ModelConfig
     from kvjax.distributed import param_specs
     from kvjax.distributed.mesh import ShardingPlan
+    import jax
+    from kvjax.models import stack_layers
     from kvjax.models.loading import param_shapes
 
     cfg = ModelConfig(model_type="llama", vocab_size=11, hidden_size=8, intermediate_size=8, num_layers=1,
                       num_heads=2, num_kv_heads=2, head_dim=4, max_position_embeddings=16)
     specs = param_specs(param_shapes(cfg, np.float32), ShardingPlan(data=1, model=2, heads=True, mlp=True))
-    layer = specs["layers"]  # stacked [L, ...]: the layer axis is never split
-    assert layer["self_attn"]["q_proj"]["kernel"] == P(None, None, "model")
-    assert layer["self_attn"]["k_proj"]["kernel"] == P(None, None, "model")
-    assert layer["self_attn"]["o_proj"]["kernel"] == P(None, "model", None)
-    assert layer["mlp"]["up_proj"]["kernel"] == P(None, None, "model")
-    assert layer["mlp"]["down_proj"]["kernel"] == P(None, "model", None)
-    assert layer["input_layernorm"]["scale"] == P(None) and specs["embed_tokens"]["embedding"] == P()
+    layer = specs["layers"][0]  # per-layer trees: a layer's leaves have no layer axis
+    assert layer["self_attn"]["q_proj"]["kernel"] == P(None, "model")
+    assert layer["self_attn"]["k_proj"]["kernel"] == P(None, "model")
+    assert layer["self_attn"]["o_proj"]["kernel"] == P("model", None)
+    assert layer["mlp"]["up_proj"]["kernel"] == P(None, "model")
+    assert layer["mlp"]["down_proj"]["kernel"] == P("model", None)
+    assert layer["input_layernorm"]["scale"] == P() and specs["embed_tokens"]["embedding"] == P()
     heads_only = param_specs(param_shapes(cfg, np.float32), ShardingPlan(data=1, model=2, heads=True, mlp=False))
-    assert heads_only["layers"]["mlp"]["down_proj"]["kernel"] == P(None)
+    assert heads_only["layers"][0]["mlp"]["down_proj"]["kernel"] == P()
+    stacked = param_specs(jax.eval_shape(stack_layers, param_shapes(cfg, np.float32)), ShardingPlan(
+        data=1, model=2, heads=True, mlp=True))["layers"]  # stacked [L, ...]: the layer axis is never split
+    assert stacked["self_attn"]["q_proj"]["kernel"] == P(None, None, "model")

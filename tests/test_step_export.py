@@ -50,7 +50,7 @@ def policy_for(name):
 
 def abstract_decode_args(model, policy):
     state, logits = kvjax.prefill(model, PROMPT, policy, max_new_tokens=8)
-    args = (model.decode_params, state, None, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), logits, None)
+    args = (model.params, state, None, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), logits, None)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
 
 

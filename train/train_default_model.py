@@ -167,11 +167,12 @@ class BatchMaker:
 
 def train(out: str, minutes: float, recipe: Recipe = Recipe(), log_every: int = 10) -> dict:
     import kvjax
+    from kvjax.models import stack_layers
     from tqdm import tqdm
 
     hf_config = tiny_config(recipe.hidden, recipe.layers, recipe.heads, recipe.kv_heads, recipe.intermediate)
     cfg = kvjax.ModelConfig.from_hf_dict(hf_config.to_dict())
-    params = kvjax.init_params(cfg, seed=recipe.seed, std=0.02)
+    params = stack_layers(kvjax.init_params(cfg, seed=recipe.seed, std=0.02))  # trained stacked
     params = set_previous_token_head(params, cfg, recipe)
     optimizer = optax.chain(
         optax.clip_by_global_norm(1.0),

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kvjax.models.config import ModelConfig
 from kvjax.models.loading import Model
-from kvjax.models.convert import is_stacked
+from kvjax.models.convert import is_stacked, tree_path
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
@@ -130,10 +130,10 @@ def param_specs(params: Any, plan: ShardingPlan) -> Any:
     rules = {**(_HEAD_RULES if plan.heads else {}), **(_MLP_RULES if plan.mlp else {})}
 
     def spec(path, leaf):
-        names = [getattr(k, "key", str(k)) for k in path]
+        names = tree_path(path)
         rule = rules.get(names[-2]) if len(names) >= 2 else None
         split = P() if rule is None else rule[0] if names[-1] == "kernel" else rule[1]
-        return P(None, *split) if is_stacked(tuple(names)) else split
+        return P(None, *split) if is_stacked(names) else split
 
     return jax.tree_util.tree_map_with_path(spec, params)
 

@@ -119,7 +119,7 @@ def _decode(
     backend = backend or LOCAL_BACKEND
     B = tokens.shape[0]
     state, _, logits = backend.append_step(
-        model.decode_params, state, None, backend.put(tokens[:, None]), backend.put(jnp.ones((B,), jnp.int32)),
+        model.params, state, None, backend.put(tokens[:, None]), backend.put(jnp.ones((B,), jnp.int32)),
         backend.put(jnp.zeros((B, model.cfg.vocab_size), jnp.float32)), None, cfg=model.cfg,
         dtype=model.dtype, policy=policy,
     )

@@ -337,7 +337,7 @@ def feed_tokens(
         if return_nll:
             nll[:, j] = np.where(j < lengths, np.asarray(_token_nll(logits, jnp.asarray(tokens))), np.nan)
         state, _, logits = backend.append_step(
-            model.decode_params, state, None, backend.put(tokens[:, None]), backend.put((j < lengths).astype(np.int32)),
+            model.params, state, None, backend.put(tokens[:, None]), backend.put((j < lengths).astype(np.int32)),
             logits, None, cfg=model.cfg, dtype=model.dtype, policy=policy,
         )
     return (state, logits, nll) if return_nll else (state, logits)
@@ -377,7 +377,7 @@ def continue_rows(
     t = 1
     while t < max_new_tokens and not done.all() and not stopped:
         run = decode_steps(
-            model.decode_params, state, logits, pending, key, done_device, eos_device, jnp.int32(max_new_tokens - t),
+            model.params, state, logits, pending, key, done_device, eos_device, jnp.int32(max_new_tokens - t),
             step=backend.append_step, steps=steps_per_dispatch, cfg=model.cfg, dtype=model.dtype, policy=policy,
             temperature=temperature, top_k=top_k, top_p=top_p,
         )

@@ -19,19 +19,26 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model its config describes."""
 
 
-def is_stacked(path: tuple[str, ...]) -> bool:
-    """Whether a parameter path lies under the stacked decoder layers (leaves `[L, ...]`)."""
-    return path[0] == "layers"
+def tree_path(key_path) -> tuple:
+    """A pytree key path as names and layer indices: `("layers", 3, "mlp", "up_proj", "kernel")`."""
+    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in key_path)
 
 
-def hf_name(path: tuple[str, ...], layer: int | None = None) -> tuple[str, bool]:
-    """Map a Flax parameter path (and, under `layers`, a layer index) to (HF tensor name, whether to
+def is_stacked(path: tuple) -> bool:
+    """Whether a parameter path lies under stacked decoder layers (leaves `[L, ...]`); the per-layer form's
+    paths carry the layer index instead (`("layers", 3, ...)`)."""
+    return path[0] == "layers" and not isinstance(path[1], int)
+
+
+def hf_name(path: tuple, layer: int | None = None) -> tuple[str, bool]:
+    """Map a Flax parameter path (and, under stacked `layers`, a layer index) to (HF tensor name, whether to
     transpose one layer's array)."""
     *modules, leaf = path
     if is_stacked(path):
         if layer is None:
             raise ValueError(f"{'/'.join(path)} is a stacked layer parameter: give the layer index")
         modules = ["layers", str(layer), *modules[1:]]
+    modules = [str(m) for m in modules]
     transpose = leaf == "kernel"
     hf_leaf = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}[leaf]
     prefix = [] if modules[0] == "lm_head" else ["model"]
@@ -64,7 +71,7 @@ def params_from_hf(
         return array
 
     for key_path, spec in flat:
-        path = tuple(k.key for k in key_path)
+        path = tree_path(key_path)
         if not is_stacked(path):
             leaves.append(take(path, None, spec.shape))
             continue
@@ -94,7 +101,7 @@ def params_to_hf(params: Any) -> dict[str, np.ndarray]:
     """Inverse of `params_from_hf`: HF tensor names to numpy arrays (for export and round-trip tests)."""
     out = {}
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        path = tuple(k.key for k in key_path)
+        path = tree_path(key_path)
         array = np.asarray(leaf)
         for layer, part in enumerate(array) if is_stacked(path) else [(None, array)]:
             name, transpose = hf_name(path, layer)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.models.config import ModelConfig
-from kvjax.models import CausalLM, unstack_layers
+from kvjax.models import CausalLM, is_unstacked, unstack_layers
 from kvjax.models.convert import CheckpointError, params_from_hf
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -22,30 +22,23 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 @dataclasses.dataclass
 class Model:
     """A loaded model: its config, parameters (a pytree), the Flax module and the tokenizer (or None).
-    `dtype` is the parameter and compute dtype; `kv_dtype` the KV pages' (None: `dtype`; "int8": int8
-    pages with one float32 scale per slot, see `kvjax.cache.state.init_state`). `model.with_kv_dtype("int8")`
-    gives the same weights with int8 pages."""
+    `params["layers"]` is a tuple of per-layer trees (`unstack_layers`), the one layout every step reads:
+    the weights are held once. A stacked tree given here is taken apart and not kept. `dtype` is the
+    parameter and compute dtype; `kv_dtype` the KV pages' (None: `dtype`; "int8": int8 pages with one
+    float32 scale per slot, see `kvjax.cache.state.init_state`). `model.with_kv_dtype("int8")` gives the
+    same weights with int8 pages."""
 
     cfg: ModelConfig
     params: Any
     tokenizer: Any = None
     dtype: Any = jnp.float32
     kv_dtype: Any = None
-    # (params, unstack_layers(params)): the decode form, made once per parameter tree
-    _decode: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.kv_dtype is not None:
             self.kv_dtype = resolve_kv_dtype(self.kv_dtype)
-
-    @property
-    def decode_params(self) -> Any:
-        """The parameters as decode steps take them: the layers taken apart (`unstack_layers`), so a step
-        reads each weight matrix in place instead of slicing it out of the stack on every token. Made on
-        first use and kept while `params` is the same tree; it holds a second copy of the layer weights."""
-        if self._decode is None or self._decode[0] is not self.params:
-            self._decode = (self.params, unstack_layers(self.params))
-        return self._decode[1]
+        if isinstance(self.params, dict) and "layers" in self.params and not is_unstacked(self.params["layers"]):
+            self.params = unstack_layers(self.params)
 
     @property
     def cache_dtype(self) -> Any:
@@ -87,7 +80,7 @@ def resolve_kv_dtype(kv_dtype) -> Any:
 
 
 def param_shapes(cfg: ModelConfig, dtype) -> Any:
-    """The parameter tree's shapes, without allocating (`jax.eval_shape` of `init`)."""
+    """The parameter tree's shapes in `Model`'s per-layer form, without allocating (`jax.eval_shape` of `init`)."""
     module = CausalLM(cfg, dtype)
     tokens = jnp.zeros((1, 1), jnp.int32)
 
@@ -99,7 +92,9 @@ def param_shapes(cfg: ModelConfig, dtype) -> Any:
             jax.random.PRNGKey(0), tokens, tokens, _dummy_rope(cfg), attend, None, method=CausalLM.hidden_and_logits
         )
 
-    return jax.eval_shape(init)["params"]
+    shapes = jax.eval_shape(init)["params"]
+    per_layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
+    return {**shapes, "layers": (per_layer,) * cfg.num_layers}
 
 
 def _dummy_rope(cfg: ModelConfig):
@@ -107,15 +102,14 @@ def _dummy_rope(cfg: ModelConfig):
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype="float32", std: float = 0.02) -> Any:
-    """Random parameters (normal, std 0.02; norms at 1), for tests and benchmarks.
+    """Random parameters (normal, std 0.02; norms at 1) in `Model`'s per-layer form, for tests and benchmarks.
 
     Each layer's arrays are drawn as when layers were separate subtrees (`layers_0`, `layers_1`, ...,
-    one key per leaf in that tree's order), then stacked, so a seed gives the weights it always gave."""
+    one key per leaf in that tree's order), so a seed gives the weights it always gave."""
     dtype = resolve_dtype(dtype)
     shapes = param_shapes(cfg, dtype)
-    per_layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
     unstacked = {k: v for k, v in shapes.items() if k != "layers"}
-    unstacked.update({f"layers_{l}": per_layer for l in range(cfg.num_layers)})
+    unstacked.update({f"layers_{l}": layer for l, layer in enumerate(shapes["layers"])})
     leaves = jax.tree_util.tree_flatten_with_path(unstacked)[0]
     keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
     out = []
@@ -126,7 +120,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype="float32", std: float = 0
             out.append((jax.random.normal(key, spec.shape, jnp.float32) * std).astype(dtype))
     drawn = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(unstacked), out)
     params = {k: v for k, v in drawn.items() if not k.startswith("layers_")}
-    params["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[drawn[f"layers_{l}"] for l in range(cfg.num_layers)])
+    params["layers"] = tuple(drawn[f"layers_{l}"] for l in range(cfg.num_layers))
     return params
 
 

@@ -4,6 +4,7 @@ Notes: docs/modules.md (`kvjax/models/transformer.py`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import flax.linen as nn
@@ -63,26 +64,31 @@ def unrolled(attend: AttendFn, num_layers: int) -> tuple[Segment, ...]:
 
 
 def layer_params(params: Any, layer) -> Any:
-    """Layer `layer`'s parameters (what `DecoderLayer` applies) from a model's parameter tree; `layer` may
-    be traced (a dynamic slice of each stacked leaf)."""
-    return jax.tree.map(lambda w: w[layer], params["layers"])
+    """Layer `layer`'s parameters (what `DecoderLayer` applies) from a model's parameter tree: a plain int
+    for the per-layer form (`unstack_layers`, what `Model` holds); a traced index slices stacked leaves."""
+    layers = params["layers"]
+    return layers[layer] if is_unstacked(layers) else jax.tree.map(lambda w: w[layer], layers)
 
 
 def unstack_layers(params: Any) -> Any:
     """The parameter tree with `layers` taken apart: a tuple of L per-layer trees (leaves without the `[L]`
-    axis) instead of stacked leaves. The forward runs such a tree unrolled, each layer reading its own
-    weights in place. Copies the layer weights once: call it outside `jit` (`Model.decode_params`)."""
+    axis) instead of stacked leaves, the one layout `Model` holds: every step reads each layer's weights in
+    place. One `unstack` per leaf (no program over the whole tree); the stacked arrays are not kept."""
     layers = params["layers"]
     if is_unstacked(layers):
         return params
-    return {**params, "layers": _split_layers(layers)}
+    leaves, treedef = jax.tree.flatten(layers)
+    columns = [jnp.unstack(leaf) for leaf in leaves]
+    per_layer = tuple(jax.tree.unflatten(treedef, [c[l] for c in columns]) for l in range(len(columns[0])))
+    return {**params, "layers": per_layer}
 
 
-@jax.jit
-def _split_layers(layers):
-    """The stacked layer tree as a tuple of per-layer trees, in one program (not one dispatch per slice)."""
-    num_layers = jax.tree.leaves(layers)[0].shape[0]
-    return tuple(jax.tree.map(lambda w: w[layer], layers) for layer in range(num_layers))
+def stack_layers(params: Any) -> Any:
+    """The inverse of `unstack_layers`: leaves `[L, ...]` (for training code and benchmarks that scan)."""
+    layers = params["layers"]
+    if not is_unstacked(layers):
+        return params
+    return {**params, "layers": jax.tree.map(lambda *ws: jnp.stack(ws), *layers)}
 
 
 def is_unstacked(layers: Any) -> bool:
@@ -91,9 +97,11 @@ def is_unstacked(layers: Any) -> bool:
 
 
 def first_layers(params: Any, num_layers: int) -> Any:
-    """The parameter tree of the model's first `num_layers` layers (embeddings, final norm and head kept).
-    Slices the stacked leaves: call it outside `jit`, once."""
-    return {**params, "layers": jax.tree.map(lambda w: w[:num_layers], params["layers"])}
+    """The parameter tree of the model's first `num_layers` layers (embeddings, final norm and head kept)."""
+    layers = params["layers"]
+    if is_unstacked(layers):
+        return {**params, "layers": tuple(layers[:num_layers])}
+    return {**params, "layers": jax.tree.map(lambda w: w[:num_layers], layers)}
 
 _ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -128,7 +136,23 @@ def _norm(cfg: ModelConfig, dtype) -> RMSNorm:
 
 
 def _dense(features: int, use_bias: bool, name: str, dtype) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, name=name, dtype=dtype, param_dtype=dtype)
+    return nn.Dense(features, use_bias=use_bias, name=name, dtype=dtype, param_dtype=dtype,
+                    dot_general=_rows_dot_general)
+
+
+def _rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    """`lax.dot_general` for a projection `x [..., E] @ W [E, F]`, with one row (a decode step of batch 1)
+    on CPU taken as two (a zero row added, then dropped): XLA:CPU compiles a one-row product with its own
+    vectorised loop per weight, seconds for a model whose layers each read their own weights (`Model`'s
+    per-layer form), and a two-row one as a library call compiled in milliseconds. The result is the same."""
+    dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=preferred_element_type,
+                            **kwargs)
+    projection = tuple(map(tuple, dimension_numbers[0])) == ((lhs.ndim - 1,), (0,)) and rhs.ndim == 2
+    if not projection or lhs.size != lhs.shape[-1] or jax.default_backend() != "cpu":
+        return dot(lhs, rhs, dimension_numbers)
+    rows = lhs.reshape(1, lhs.shape[-1])
+    out = dot(jnp.concatenate([rows, jnp.zeros_like(rows)]), rhs, (((1,), (0,)), ((), ())))
+    return out[:1].reshape(lhs.shape[:-1] + rhs.shape[1:])
 
 
 class Attention(nn.Module):

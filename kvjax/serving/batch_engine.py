@@ -382,7 +382,7 @@ class BatchEngine:
         limit = np.array([0 if r is None else r.max_new_tokens - len(r.tokens) for r in batch.rows], np.int32)
         done = jnp.asarray(limit <= 0)
         run = decode_steps(
-            self.model.decode_params, batch.state, batch.logits, jnp.asarray(batch.pending), batch.keys, done, batch.eos,
+            self.model.params, batch.state, batch.logits, jnp.asarray(batch.pending), batch.keys, done, batch.eos,
             jnp.asarray(limit), step=self.backend.append_step, steps=self.steps, cfg=self.model.cfg,
             dtype=self.model.dtype, policy=batch.policy, temperature=batch.temperature, top_k=batch.top_k,
             top_p=batch.top_p,
