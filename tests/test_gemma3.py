@@ -87,6 +87,10 @@ def test_forward_logits_match_transformers(gemma):
     # the local layers' own RoPE base matters at these lengths: with the global one the logits differ
     same_rope = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, local_rope=model.cfg.rope))
     assert np.abs(np.asarray(kvjax.forward_logits(same_rope, tokens)) - ref).max() > 1e-2
+    # windows switched off: the local layers keep their RoPE, so only positions past the window change
+    unwindowed = dataclasses.replace(model, cfg=model.cfg.with_windows([0] * 6))
+    gap = np.abs(np.asarray(kvjax.forward_logits(unwindowed, tokens)) - ref).max(axis=(0, 2))
+    assert gap[:WINDOW].max() < TOL and gap[WINDOW:].max() > 1e-2
 
 
 def test_prefill_and_decode_match_transformers(gemma):

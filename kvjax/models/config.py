@@ -67,8 +67,10 @@ class ModelConfig:
     # uses `sliding_window`. `with_windows` sets it.
     layer_windows: tuple[int, ...] | None = None
     rope: RopeConfig = RopeConfig()
-    # RoPE of the sliding-window layers where it differs from `rope` (Gemma-3: base 10000 local, 1e6 global)
+    # RoPE of the local layers where it differs from `rope` (Gemma-3: base 10000 local, 1e6 global), and which
+    # layers are local: the checkpoint's sliding-window layers, kept whatever `with_windows` sets later
     local_rope: RopeConfig | None = None
+    local_rope_layers: tuple[bool, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Gemma's pieces (Llama's where unset)
@@ -112,9 +114,9 @@ class ModelConfig:
 
     @property
     def per_layer_rope(self) -> bool:
-        """Whether layers differ in RoPE (`local_rope` on the sliding-window ones): `rope_frequencies` then
-        gives a table with a row per layer."""
-        return self.local_rope is not None and self.local_rope != self.rope and any(self.windows)
+        """Whether layers differ in RoPE (`local_rope` on `local_rope_layers`): `rope_frequencies` then gives a
+        table with a row per layer."""
+        return self.local_rope is not None and self.local_rope != self.rope and any(self.local_rope_layers)
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -142,6 +144,8 @@ class ModelConfig:
             sliding_window = None
         layer_windows = _layer_windows(hf, model_type, sliding_window)
         gemma = _gemma_fields(hf, head_dim) if model_type in _GEMMA else {}
+        if gemma:
+            gemma["local_rope_layers"] = tuple(bool(w) for w in layer_windows or ())
         rope = gemma.pop("rope") if gemma else _rope_config(hf, head_dim)
         return cls(
             model_type=model_type,

@@ -118,7 +118,7 @@ def rope_frequencies(cfg: ModelConfig, use_long: bool = False) -> tuple[np.ndarr
     and `f32[L]`, which `layer_rope` picks from."""
     if not cfg.per_layer_rope:
         return _frequencies(cfg, cfg.rope, use_long)
-    rows = [_frequencies(cfg, cfg.local_rope if window else cfg.rope, use_long) for window in cfg.windows]
+    rows = [_frequencies(cfg, cfg.local_rope if local else cfg.rope, use_long) for local in cfg.local_rope_layers]
     return np.stack([f for f, _ in rows]), np.asarray([a for _, a in rows], np.float32)
 
 
