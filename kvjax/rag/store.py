@@ -19,6 +19,7 @@ from kvjax.models.loading import Model
 from kvjax.rag.cache_state import kv_from_state, state_from_kv
 from kvjax.rag.encode import encode_kv
 from kvjax.util.hashing import ROOT_HASH, hash_block
+from kvjax.util.disk_tier import DiskTier
 from kvjax.util.lru import BytesLRU
 
 FORMS = ("pre_rope", "rotated")
@@ -115,18 +116,18 @@ class ChunkStore:
     `page_size` the pages' size of each entry's state."""
 
     def __init__(self, model: Model, form: str = "pre_rope", long_rope: bool = False, *, max_bytes: int | None = None,
-                 lru: BytesLRU | None = None, page_size: int = 16):
+                 lru: BytesLRU | None = None, page_size: int = 16, disk: DiskTier | None = None):
         if form not in FORMS:
             raise ValueError(f"form must be one of {FORMS}, got {form!r}")
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a positive power of two, got {page_size}")
-        if max_bytes is not None and lru is not None:
-            raise ValueError("pass max_bytes or a shared lru, not both")
+        if lru is not None and (max_bytes is not None or disk is not None):
+            raise ValueError("pass max_bytes (and a disk tier) or a shared lru, not both")
         self.model, self.form, self.long_rope, self.page_size = model, form, bool(long_rope), page_size
         self.fingerprint = model_fingerprint(model)
         # entries live in a byte-bounded LRU: unbounded by default, or shared with the batch engine's prefix
-        # carries (`BatchEngine.cache`) so one budget bounds both
-        self.lru = lru if lru is not None else BytesLRU(max_bytes if max_bytes is not None else 1 << 62)
+        # carries (`BatchEngine.cache`) so one budget bounds both; past it, entries spill to `disk` if given
+        self.lru = lru if lru is not None else BytesLRU(max_bytes if max_bytes is not None else 1 << 62, disk=disk)
         self.hits = self.misses = 0
 
     def __len__(self) -> int:

@@ -25,6 +25,7 @@ from kvjax.engine.generation import (
     prefill_row_steps,
 )
 from kvjax.models.loading import Model
+from kvjax.util.disk_tier import DiskTier
 from kvjax.util.lru import BytesLRU
 from kvjax.policies import Policy
 from kvjax.models.rope import uses_long_factors
@@ -167,12 +168,15 @@ class BatchEngine:
     A request that cannot fit `capacity` is refused at `submit` (ValueError); one that fits but finds no
     free row or too few free pages waits, prefilled, until a row finishes. `backend`: where the states live
     and which step advances them (default one device; `kvjax.distributed.on_mesh` gives a model with its heads
-    split over a mesh's devices and its backend; the prefix cache and memory samples are then off)."""
+    split over a mesh's devices and its backend; the prefix cache and memory samples are then off).
+    `disk_cache`: a `DiskTier` under `self.cache`: what its memory budget evicts is written there, within the
+    tier's own budget, and read back on a hit; `disk_cache.stats` reports its hits, hit rate and bytes."""
 
     def __init__(self, model: Model, *, max_rows: int = 8, capacity: int = 2048, page_size: int = 16,
                  pool_pages: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, prefix_cache_bytes: int = 256 << 20,
-                 prefill_chunks_per_step: int = 0, memory_every: int = 0, backend: StepBackend | None = None):
+                 prefill_chunks_per_step: int = 0, memory_every: int = 0, backend: StepBackend | None = None,
+                 disk_cache: DiskTier | None = None):
         if max_rows < 1 or capacity < 1 or steps_per_dispatch < 1:
             raise ValueError(f"max_rows, capacity and steps_per_dispatch must be >= 1, got {max_rows}, {capacity}, "
                              f"{steps_per_dispatch}")
@@ -192,7 +196,7 @@ class BatchEngine:
         self._insert_row, self._release_row = _row_operations(self.backend.placement)
         prefix_cache_bytes = 0 if sharded else prefix_cache_bytes  # its resume inserts a one-device row
         # one byte budget for prefix carries and whatever else shares it (RAG chunks: ChunkStore(lru=...))
-        self.cache = BytesLRU(prefix_cache_bytes)
+        self.cache = BytesLRU(prefix_cache_bytes, disk=disk_cache)
         self.prefix = PrefixStates(lru=self.cache) if prefix_cache_bytes else None
         self.waiting: deque[BatchRequest] = deque()
         self.prefilling: BatchRequest | None = None  # the request whose prefill is in progress
