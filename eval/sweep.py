@@ -32,20 +32,12 @@ DEFAULT_DENSE_LAYERS = 1
 
 
 def build_policy(spec: str, budget: int | None, dense_layers: int = DEFAULT_DENSE_LAYERS):
-    """The policy a sweep names: a registered name (`quest`), with options (`quest:dense_layers=0`), or an
-    evict+select composition (`snapkv+quest`), each part at `budget` with `dense_layers` unless given."""
-    import kvjax
-    from kvjax.policies.options import parse_policy_options
+    """The policy a sweep names (`kvjax.policies.parse_spec`: `quest`, `quest:dense_layers=0`, `snapkv+quest`),
+    each part at `budget` with `dense_layers` unless its spec says otherwise."""
+    from kvjax.policies.options import parse_spec
 
-    if "+" in spec:
-        evict, select = spec.split("+", 1)
-        return kvjax.make_policy("compose", evict=build_policy(evict, budget, dense_layers),
-                                 select=build_policy(select, budget, dense_layers))
-    name, _, options = spec.partition(":")
-    if name == "full":
-        return kvjax.make_policy("full")
-    parsed = parse_policy_options(name, [o for o in options.split(",") if o])
-    return kvjax.make_policy(name, **{"token_budget": int(budget), "dense_layers": dense_layers, **parsed})
+    defaults = {"dense_layers": dense_layers} | ({} if budget is None else {"token_budget": int(budget)})
+    return parse_spec(spec, defaults=defaults)
 
 
 def time_decodes(model, policies: dict, prompts: Sequence[Sequence[int]], steps: int = 16) -> dict:

@@ -16,7 +16,7 @@ DEFAULT_MODEL = "tiny"  # the model shipped in kvjax/assets/tiny-llama
 def cmd_generate(args) -> int:
     import kvjax
     from kvjax.util.compilation_cache import enable_compilation_cache
-    from kvjax.policies.options import parse_policy_options
+    from kvjax.policies.options import parse_spec
 
     if args.state is not None:
         return cmd_generate_from_state(args)
@@ -33,7 +33,7 @@ def cmd_generate(args) -> int:
         with open(args.prompt_file) as f:
             prompt = f.read()
     started = time.perf_counter()
-    policy = kvjax.make_policy(args.policy, **parse_policy_options(args.policy, args.policy_option))
+    policy = parse_spec(args.policy, page_size=args.page_size, options=args.policy_option)
     model = kvjax.load_model(args.model, dtype=args.dtype)
     loaded = time.perf_counter()
     if model.tokenizer is None:
@@ -92,11 +92,11 @@ def cmd_prefill(args) -> int:
     """Prefill and compress a document once and save its state (`kvjax.save_state`) for `generate --state`."""
     import kvjax
     from kvjax.util.compilation_cache import enable_compilation_cache
-    from kvjax.policies.options import parse_policy_options
+    from kvjax.policies.options import parse_spec
 
     enable_compilation_cache()
     started = time.perf_counter()
-    policy = kvjax.make_policy(args.policy, **parse_policy_options(args.policy, args.policy_option))
+    policy = parse_spec(args.policy, page_size=args.page_size, options=args.policy_option)
     model = kvjax.load_model(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
     if model.tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer; kvjax prefill needs one to read the document")
@@ -215,10 +215,10 @@ def cmd_fetch(args) -> int:
 def server_of(args):
     """The model and `ServerConfig` of `kvjax serve`'s arguments (with `--mesh 1xM`, heads over M devices)."""
     import kvjax
-    from kvjax.policies.options import parse_policy_options
+    from kvjax.policies.options import parse_spec
     from kvjax.serving.http import ServerConfig
 
-    policy = kvjax.make_policy(args.policy, **parse_policy_options(args.policy, args.policy_option))
+    policy = parse_spec(args.policy, page_size=args.page_size, options=args.policy_option)
     model = kvjax.load_model(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype)
     backend = None
     if args.mesh:
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run a prompt longer than the model's context (max_position_embeddings) instead of refusing it")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template (instruct models)")
     gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--policy", default="full", help="cache policy name (kvjax.make_policy)")
+    gen.add_argument("--policy", default="full", help="cache policy: NAME[:KEY=VALUE,...] or EVICT+SELECT (kvjax.policies.parse_spec)")
     gen.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE", help="policy option, repeatable")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre_source.add_argument("--prompt", help="document text")
     pre_source.add_argument("--prompt-file", help="file holding the document")
     pre.add_argument("--save", required=True, metavar="DIR", help="directory the state is saved into (replaced)")
-    pre.add_argument("--policy", default="full", help="cache policy name (kvjax.make_policy)")
+    pre.add_argument("--policy", default="full", help="cache policy: NAME[:KEY=VALUE,...] or EVICT+SELECT (kvjax.policies.parse_spec)")
     pre.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE", help="policy option, repeatable")
     pre.add_argument("--room", type=int, default=256, help="tokens of question and answer the saved state has room for")
     pre.add_argument("--page-size", type=int, default=16)
@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-name", default=None, help="the model id clients send (default: --model)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--policy", default="full", help="the cache policy of requests without kv_policy")
+    srv.add_argument("--policy", default="full", help="the cache policy of requests without kv_policy (NAME[:KEY=VALUE,...] or EVICT+SELECT)")
     srv.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE", help="policy option, repeatable")
     srv.add_argument("--max-context", type=int, default=None, help="prompt + max_tokens, at most (default: the model's)")
     srv.add_argument("--chunk-size", type=int, default=512)

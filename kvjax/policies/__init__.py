@@ -19,9 +19,10 @@ from kvjax.policies.ada import AdaKV
 from kvjax.policies.oracle import OraclePage, OracleToken
 from kvjax.policies.loki import Loki
 from kvjax.policies.key_int4 import KeyInt4
+from kvjax.policies.options import parse_spec
 
 __all__ = [
     "POLICY_REGISTRY", "AdaKV", "ChunkSchedule", "Compose", "Quest", "QuestAdaptive", "QuestStatic", "FullPolicy", "H2O", "LayerView", "Locret", "Policy", "PyramidKV",
     "Preset", "ScoredEviction", "SnapKV", "StreamingLLM", "TOVA", "make_policy", "register_policy", "register_preset",
-    "KeyInt4", "Loki", "OraclePage", "OracleToken",
+    "KeyInt4", "Loki", "OraclePage", "OracleToken", "parse_spec",
 ]

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvjax.models.loading import Model
 from kvjax.policies import Policy, make_policy
-from kvjax.policies.options import parse_policy_options
+from kvjax.policies.options import parse_spec
 
 try:  # the `serve` extra: pip install "kvjax[serve]"
     from fastapi import FastAPI, Request
@@ -210,24 +210,15 @@ class Worker:
 # ---------------------------------------------------------------------------------------------- the app
 
 
-def build_policy(spec: str | dict | None, default: Policy) -> Policy:
-    """The request's `kv_policy` (see the module docstring) or `default`; APIError naming `kv_policy`."""
+def build_policy(spec: str | dict | None, default: Policy, page_size: int) -> Policy:
+    """The request's `kv_policy` (`kvjax.policies.parse_spec`'s grammar, or its JSON object) or `default`,
+    validated against the server's `page_size`; APIError naming `kv_policy`."""
     if spec is None:
         return default
     try:
-        if isinstance(spec, dict):
-            options = dict(spec)
-            name = options.pop("name", None)
-            if not isinstance(name, str):
-                raise ValueError('an object kv_policy needs "name", e.g. {"name": "quest", "token_budget": 256}')
-            policy = make_policy(name, **options)
-        else:
-            name, _, options = spec.partition(":")
-            policy = make_policy(name, **parse_policy_options(name, [o for o in options.split(",") if o]))
-        policy.validate(16)
+        return parse_spec(spec, page_size=page_size)
     except (ValueError, TypeError) as error:
         raise APIError(400, f"kv_policy: {error}", param="kv_policy") from None
-    return policy
 
 
 @dataclass
@@ -315,7 +306,7 @@ def create_app(model: Model, config: ServerConfig) -> FastAPI:
             raise APIError(400, "kv_state: this server has no saved documents (kvjax serve --documents DIR)"
                            if config.documents_dir is None else "kv_state: a saved document decodes under its saved "
                            "policy; drop kv_policy", param="kv_state")
-        return Job(prompt_ids, max_tokens, build_policy(body.kv_policy, config.default_policy), body.temperature,
+        return Job(prompt_ids, max_tokens, build_policy(body.kv_policy, config.default_policy, config.page_size), body.temperature,
                    body.top_p, body.top_k, body.seed if body.seed is not None else 0, tuple(s for s in stop if s), emit,
                    document=body.kv_state)
 
