@@ -40,47 +40,46 @@ class _Array:
     device: bool  # a jax array (put back on the default device) or a numpy one
 
 
-def _split(value: Any, arrays: list) -> Any:
-    """`value` with every array replaced by an `_Array` placeholder (the arrays appended to `arrays`),
-    through tuples, named tuples, lists, dicts and dataclasses (KVState, PrefillCarry, ChunkKV)."""
-    import jax
-
-    if isinstance(value, (np.ndarray, jax.Array)):
-        array = np.asarray(value)
-        offset = sum(a.nbytes for a in arrays)
-        arrays.append(array)
-        return _Array(offset, array.dtype.name, array.shape, isinstance(value, jax.Array))
+def _map(value: Any, is_leaf, fn) -> Any:
+    """`value` with `fn` applied to each part where `is_leaf` holds, through tuples, named tuples, lists, dicts
+    and dataclasses (KVState, PrefillCarry, ChunkKV); every other part kept as it is."""
+    if is_leaf(value):
+        return fn(value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_split(v, arrays) for v in value))
+        return type(value)(*(_map(v, is_leaf, fn) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_split(v, arrays) for v in value)
+        return type(value)(_map(v, is_leaf, fn) for v in value)
     if isinstance(value, dict):
-        return {k: _split(v, arrays) for k, v in value.items()}
+        return {k: _map(v, is_leaf, fn) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _split(getattr(value, f.name), arrays) for f in dataclasses.fields(value) if f.init}
+        fields = {f.name: _map(getattr(value, f.name), is_leaf, fn) for f in dataclasses.fields(value) if f.init}
         return dataclasses.replace(value, **fields)
     return value
+
+
+def _split(value: Any, arrays: list) -> Any:
+    """`value` with every array replaced by an `_Array` placeholder, the arrays appended to `arrays`."""
+    import jax
+
+    def put(x):
+        array = np.asarray(x)
+        offset = sum(a.nbytes for a in arrays)
+        arrays.append(array)
+        return _Array(offset, array.dtype.name, array.shape, isinstance(x, jax.Array))
+
+    return _map(value, lambda x: isinstance(x, (np.ndarray, jax.Array)), put)
 
 
 def _join(skeleton: Any, data: bytes) -> Any:
     """The value `_split` took apart, its arrays read from the entry's bytes."""
     import jax.numpy as jnp
 
-    if isinstance(skeleton, _Array):
-        dtype = jnp.dtype(skeleton.dtype)  # bfloat16 included (ml_dtypes)
-        count = int(np.prod(skeleton.shape))
-        array = np.frombuffer(data, dtype, count, skeleton.offset).reshape(skeleton.shape)
-        return jnp.asarray(array) if skeleton.device else array.copy()
-    if isinstance(skeleton, tuple) and hasattr(skeleton, "_fields"):
-        return type(skeleton)(*(_join(v, data) for v in skeleton))
-    if isinstance(skeleton, (tuple, list)):
-        return type(skeleton)(_join(v, data) for v in skeleton)
-    if isinstance(skeleton, dict):
-        return {k: _join(v, data) for k, v in skeleton.items()}
-    if dataclasses.is_dataclass(skeleton) and not isinstance(skeleton, type):
-        fields = {f.name: _join(getattr(skeleton, f.name), data) for f in dataclasses.fields(skeleton) if f.init}
-        return dataclasses.replace(skeleton, **fields)
-    return skeleton
+    def read(slot: _Array):
+        dtype = jnp.dtype(slot.dtype)  # bfloat16 included (ml_dtypes)
+        array = np.frombuffer(data, dtype, int(np.prod(slot.shape)), slot.offset).reshape(slot.shape)
+        return jnp.asarray(array) if slot.device else array.copy()
+
+    return _map(skeleton, lambda x: isinstance(x, _Array), read)
 
 
 class DiskTier:
