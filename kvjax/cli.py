@@ -228,6 +228,7 @@ def server_of(args):
     config = ServerConfig(args.served_name or args.model, policy, args.max_context or model.cfg.max_position_embeddings,
                           chunk_size=args.chunk_size, page_size=args.page_size,
                           steps_per_dispatch=args.steps_per_dispatch, max_rows=args.max_rows, documents_dir=args.documents,
+                          disk_cache_mb=args.disk_cache_mb, disk_cache_dir=args.disk_cache_dir,
                           prefix_cache_mb=args.prefix_cache_mb, prefill_chunks_per_step=args.prefill_chunks_per_step,
                           backend=backend)
     return model, config
@@ -342,6 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--documents", default=None, metavar="DIR",
                      help="saved states (kvjax prefill --save DIR/ID) that requests name by id in kv_state, sending "
                           "only the question; kept in the --prefix-cache-mb budget")
+    srv.add_argument("--disk-cache-mb", type=int, default=0,
+                     help="a disk tier under the prefix cache: what its memory budget evicts is written there and "
+                          "read back on a hit (0: none); /health reports its hit rate and bytes")
+    srv.add_argument("--disk-cache-dir", default=None, help="the disk tier's folder (default: a temporary one)")
     srv.set_defaults(func=cmd_serve)
 
     train = sub.add_parser("train", help="train retaining heads (locret) or the shipped default model")

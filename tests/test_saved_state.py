@@ -192,7 +192,8 @@ def test_server_answers_concurrent_questions_from_a_saved_document(tiny, tmp_pat
         tokens = generate_from_state(tiny, saved, ids, NEW)[0]
         expected.append(tiny.tokenizer.decode([int(t) for t in tokens if t >= 0], skip_special_tokens=True))
     running = serve_in_background(tiny, ServerConfig("tiny", kvjax.make_policy("full"), max_context=1024, page_size=PAGE,
-                                                     steps_per_dispatch=4, documents_dir=str(tmp_path)))
+                                                     steps_per_dispatch=4, documents_dir=str(tmp_path),
+                                                     prefix_cache_mb=0, disk_cache_mb=64))
     try:
         client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=300)
         answers = [None] * len(questions)
@@ -209,7 +210,13 @@ def test_server_answers_concurrent_questions_from_a_saved_document(tiny, tmp_pat
             thread.join(timeout=300)
         assert answers == expected
         stats = running.app.state.worker.documents.stats
-        assert (stats.loads, stats.lookups) == (1, 3)  # loaded once, then served from the engine's LRU
+        assert (stats.loads, stats.lookups) == (1, 3)  # loaded once, then served from the engine's cache
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(running.url.removesuffix("/v1") + "/health") as reply:
+            disk = json.load(reply)["disk_cache"]
+        assert disk["hits"] == 2 and disk["entries"] == 1  # no memory budget: the state lives on the disk tier
         with pytest.raises(openai.NotFoundError, match="no saved document 'absent'"):
             client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"kv_state": "absent"})
         with pytest.raises(openai.BadRequestError, match="room"):

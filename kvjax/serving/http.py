@@ -5,6 +5,7 @@ Notes: docs/modules.md (`kvjax/serving/http.py`)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import queue
 import threading
@@ -111,15 +112,19 @@ class Worker:
 
     def __init__(self, model: Model, chunk_size: int, page_size: int, steps_per_dispatch: int, max_rows: int = 4,
                  capacity: int = 2048, prefix_cache_mb: int = 256, prefill_chunks_per_step: int = 0, backend=None,
-                 documents_dir: str | None = None):
+                 documents_dir: str | None = None, disk_cache_mb: int = 0, disk_cache_dir: str | None = None):
         from kvjax.serving.batch_engine import BatchEngine
         from kvjax.serving.saved_documents import SavedDocuments
+        from kvjax.util.disk_tier import DiskTier
 
         self.model = model
+        # under the prefix cache's memory budget: what it evicts spills here; kept when an engine is replaced
+        self.disk = DiskTier(disk_cache_mb << 20, disk_cache_dir) if disk_cache_mb else None
         self.new_engine = lambda: BatchEngine(model, max_rows=max_rows, capacity=capacity, page_size=page_size,  # noqa: E731
                                               chunk_size=chunk_size, steps_per_dispatch=steps_per_dispatch,
                                               prefix_cache_bytes=prefix_cache_mb << 20,
-                                              prefill_chunks_per_step=prefill_chunks_per_step, backend=backend)
+                                              prefill_chunks_per_step=prefill_chunks_per_step, backend=backend,
+                                              disk_cache=self.disk)
         self.engine = self.new_engine()
         # saved documents live in the engine's byte-bounded LRU, beside its prefix states
         self.documents = documents_dir and SavedDocuments(documents_dir, model, self.engine.cache, page_size)
@@ -134,6 +139,8 @@ class Worker:
     def close(self) -> None:
         self.jobs.put(None)
         self.thread.join(timeout=30)
+        if self.disk is not None:
+            self.disk.close()
 
     def _loop(self) -> None:
         while True:
@@ -235,6 +242,8 @@ class ServerConfig:
     prefill_chunks_per_step: int = 0  # prefill chunks between two dispatches (0: whole prompts first)
     backend: Any = None  # the engine's StepBackend (None: one device; `kvjax.distributed.on_mesh`: heads over a mesh)
     documents_dir: str | None = None  # saved states requests may name by id (`kv_state`) instead of sending them
+    disk_cache_mb: int = 0  # a disk tier under the prefix cache (0: none), in `disk_cache_dir` (None: a temporary one)
+    disk_cache_dir: str | None = None
 
 
 def create_app(model: Model, config: ServerConfig) -> FastAPI:
@@ -244,7 +253,7 @@ def create_app(model: Model, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="kvjax", description="OpenAI-compatible completions over kvjax's compressed KV caches")
     worker = Worker(model, config.chunk_size, config.page_size, config.steps_per_dispatch, config.max_rows,
                     config.max_context, config.prefix_cache_mb, config.prefill_chunks_per_step, config.backend,
-                    config.documents_dir)
+                    config.documents_dir, config.disk_cache_mb, config.disk_cache_dir)
     app.state.worker = worker
     created = int(time.time())
 
@@ -262,7 +271,10 @@ def create_app(model: Model, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": config.model_name, "queued": worker.jobs.qsize(), "running": len(worker.running)}
+        disk = worker.disk and {"bytes": worker.disk.bytes, "entries": len(worker.disk),
+                                "hit_rate": worker.disk.stats.hit_rate, **dataclasses.asdict(worker.disk.stats)}
+        return {"status": "ok", "model": config.model_name, "queued": worker.jobs.qsize(), "running": len(worker.running),
+                "disk_cache": disk}
 
     @app.get("/v1/models")
     async def models():
