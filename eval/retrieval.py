@@ -121,8 +121,9 @@ def score_sample(model, sample, task: str, n_tokens: int, tokens: Sequence[int])
 
 
 def compresses_in_prefill(policy) -> bool:
-    """Whether `policy` compresses during prefill (Locret): its state cannot be derived from a shared one."""
-    return policy.compresses and policy.chunks is not None
+    """Whether `policy` compresses during prefill (Locret) or scores the prompt in a pass of its own (KVzip): its
+    state cannot be derived from a shared one."""
+    return policy.compresses and (policy.chunks is not None or policy.scoring_pass is not None)
 
 
 def policy_state(model, shared, policy, contexts, reserve: int, page_size: int = 16, chunk_size: int = 512):
@@ -134,8 +135,9 @@ def policy_state(model, shared, policy, contexts, reserve: int, page_size: int =
 
     if not compresses_in_prefill(policy):
         return derive(model, shared, policy)
+    capacity = shared.state.capacity if shared and policy.scoring_pass is None else None  # KVzip's pass needs more
     return kvjax.prefill(model, contexts, policy, page_size=page_size, chunk_size=chunk_size,
-                         capacity=shared.state.capacity if shared else None, max_new_tokens=reserve)
+                         capacity=capacity, max_new_tokens=reserve)
 
 
 def answer_shared(model, policies: dict, samples: Sequence, task: str, n_tokens: int, page_size: int = 16,

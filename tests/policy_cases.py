@@ -47,6 +47,7 @@ def matrix_cases(cfg, page_size: int = 8) -> list[Case]:
         Case("ada_pyramid", make("ada_pyramid", **snap), cover=make("ada_pyramid", **big)),
         Case("locret", make("locret", token_budget=BUDGET, stabilizers=4, local_tail=8, heads=heads)),
         Case("ada-h2o", make("ada", scorer=make("h2o", token_budget=BUDGET))),
+        Case("kvzip", make("kvzip", token_budget=BUDGET, chunk=32)),  # three and two repeat passes
     ]
     by_id = {case.id: case for case in single}
     composed = []

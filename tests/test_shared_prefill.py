@@ -31,7 +31,7 @@ def _model(hf_models):
 CASES = [c for c in matrix_cases(kvjax.ModelConfig(
     model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=16, max_position_embeddings=256,
-), page_size=PAGE) if not (c.policy.compresses and c.policy.chunks is not None)]
+), page_size=PAGE) if not (c.policy.compresses and (c.policy.chunks is not None or c.policy.scoring_pass is not None))]
 
 
 @pytest.fixture(scope="module")

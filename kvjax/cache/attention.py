@@ -73,6 +73,42 @@ def masked_attention(
     return (out, jnp.where(visible, probs, 0.0)) if return_probs else out
 
 
+def attention_max(
+    q: jax.Array, q_positions: jax.Array, q_real: jax.Array, k: jax.Array, key_pos: jax.Array, key_ok: jax.Array,
+    probs: bool, block: int = 64,
+) -> jax.Array:
+    """f32[B, H, S]: for each key, the largest value any real query of its kv head's group gives it: the
+    scaled logit `q . k / sqrt(D)` (`probs=False`, Locret's label) or the softmax probability over the keys
+    the query sees (`probs=True`, KVzip's score). Queries `q [B, T, Hq, D]` at `q_positions int32[B, T]`,
+    `q_real bool[B, T]`; keys `k [B, H, S, D]` at `key_pos int32[B, H, S]`, of which a query sees those
+    with `key_ok bool[B, H, S]` and a position not after its own. Entries of keys that are not ok are 0.
+    Queries go `block` at a time with a running max: the largest tensor is `[B, H, G, block, S]`."""
+    B, T, Hq, D = q.shape
+    H = k.shape[1]
+    a = min(block, T)
+    blocks = -(-T // a)
+    pad = blocks * a - T
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    real = jnp.pad(q_real, ((0, 0), (0, pad)))
+    qpos = jnp.pad(q_positions, ((0, 0), (0, pad)))
+    qb = jnp.moveaxis(q.reshape(B, blocks, a, H, Hq // H, D), 1, 0)  # [blocks, B, a, H, G, D]
+    rb, pb = (jnp.moveaxis(x.reshape(B, blocks, a), 1, 0) for x in (real, qpos))  # [blocks, B, a]
+    k = k.astype(q.dtype)
+
+    def body(best, xs):
+        qg, r, p = xs
+        s = jnp.einsum("bahgd,bhsd->bhgas", qg, k, preferred_element_type=jnp.float32) * D**-0.5
+        seen = key_ok[:, :, None, None, :] & visible_keys(key_pos[:, :, None, None, :], p[:, None, None, :, None])
+        s = jnp.where(seen, s, MASKED)
+        if probs:
+            s = jnp.where(seen, jax.nn.softmax(s, axis=-1), 0.0)
+        s = jnp.where(r[:, None, None, :, None], s, MASKED)
+        return jnp.maximum(best, s.max(axis=(2, 3))), None
+
+    best, _ = jax.lax.scan(body, jnp.full(k.shape[:3], MASKED, jnp.float32), (qb, rb, pb))
+    return jnp.where(key_ok, best, 0.0)
+
+
 def paged_attention(
     q: jax.Array, q_positions: jax.Array, state: KVState, layer, scale: float | None = None,
     return_probs: bool = False, window=0, q_slots: jax.Array | None = None,

@@ -371,17 +371,28 @@ def overflow_error(state: KVState) -> CacheCapacityError | None:
     return CacheCapacityError(msg, needed, available)
 
 
-def add_slot_scores(state: KVState, layer, delta: jax.Array) -> KVState:
-    """Add `delta f32[B, H, S]` (in `gather_layer`'s slot order) to the layer's `slot_score`."""
+def _slot_cells(state: KVState, layer):
+    """(page, offset) `int32[B, H, S]` of the layer's slots in `gather_layer`'s order; slots past a head's
+    length point at page `num_pages` (dropped by a `mode="drop"` write)."""
     P = state.layer_read_pages(layer)
     table = state.page_table[layer, :, :, :P]
-    B, H, _ = table.shape
     S = P * state.page_size
     page = jnp.repeat(table, state.page_size, axis=-1)  # [B, H, S]
     valid = jnp.arange(S)[None, None, :] < state.lengths[layer][:, :, None]
     page = jnp.where(valid & (page >= 0), page, state.num_pages)
-    offset = jnp.broadcast_to(jnp.arange(S) % state.page_size, page.shape)
+    return page, jnp.broadcast_to(jnp.arange(S) % state.page_size, page.shape)
+
+
+def add_slot_scores(state: KVState, layer, delta: jax.Array) -> KVState:
+    """Add `delta f32[B, H, S]` (in `gather_layer`'s slot order) to the layer's `slot_score`."""
+    page, offset = _slot_cells(state, layer)
     return state.replace(slot_score=state.slot_score.at[page, offset].add(delta, mode="drop"))
+
+
+def set_slot_scores(state: KVState, layer, scores: jax.Array) -> KVState:
+    """Set the layer's `slot_score` to `scores f32[B, H, S]` (in `gather_layer`'s slot order)."""
+    page, offset = _slot_cells(state, layer)
+    return state.replace(slot_score=state.slot_score.at[page, offset].set(scores.astype(jnp.float32), mode="drop"))
 
 
 __all__ = [
@@ -395,5 +406,6 @@ __all__ = [
     "overflow_error",
     "page_minmax",
     "pages_for",
+    "set_slot_scores",
     "write_slots",
 ]

@@ -21,6 +21,7 @@ from kvjax.models.rope import uses_long_factors
 from kvjax.cache.rows import insert_row
 from kvjax.engine.sampling import sample_first_tokens, validate_sampling
 from kvjax.cache.state import CacheCapacityError, KVState, pages_for
+from kvjax.engine.reconstruction import score_by_reconstruction
 from kvjax.engine.step import LOCAL_BACKEND, StepBackend, compressed_layer, new_window
 
 DEFAULT_CHUNK_SIZE = 512
@@ -142,7 +143,8 @@ class PrefillPlan:
         one, LongRoPE decides from the capacity and nothing is reserved."""
         if capacity is None:
             declared = longest + max_new_tokens
-            return cls(policy, page_size, bucketed(declared), chunk_size, declared, max_new_tokens, **rest)
+            held = max(declared, policy.slots_needed(longest, max_new_tokens, chunk_size))  # KVzip's pass holds more
+            return cls(policy, page_size, bucketed(held), chunk_size, declared, max_new_tokens, **rest)
         return cls(policy, page_size, capacity, chunk_size, capacity, 0, **rest)
 
 
@@ -159,6 +161,11 @@ def prefill_row_steps(
     `(state, logits)` after the compression."""
     backend, policy = plan.backend or LOCAL_BACKEND, plan.policy
     state, window, logits = yield from prefill_chunk_steps(model, rows, plan)
+    if policy.compresses and policy.scoring_pass is not None:  # KVzip: the prompt repeated, its slots scored
+        if plan.backend is not None and plan.backend is not LOCAL_BACKEND:
+            raise NotImplementedError(f"policy {policy.name!r}: its scoring pass (KVzip's reconstruction) runs on one "
+                                      "device, not on a mesh")
+        state = score_by_reconstruction(model, state, rows, policy)
     if policy.compresses and policy.chunks is None:
         state = compress_prefilled(model, state, window, policy, [len(r) for r in rows], plan.reserve_tokens, backend)
     return policy.attach_sketch(state), logits  # a selector's key sketch, fitted on the compressed cache
@@ -302,7 +309,8 @@ def generate_rows(
     if not 0 <= decode_last < shortest:
         raise ValueError(f"decode_last must be in [0, shortest prompt length {shortest}), got {decode_last}")
     needed = longest + max_new_tokens
-    capacity = bucketed(needed) if capacity is None else capacity
+    held = max(needed, policy.slots_needed(longest, max_new_tokens + decode_last, chunk_size))
+    capacity = bucketed(held) if capacity is None else capacity
 
     plan = PrefillPlan(policy, page_size, capacity, chunk_size, needed, max_new_tokens + decode_last, backend, progress)
     state, logits = prefill_rows(model, [r[: len(r) - decode_last] for r in rows], plan)

@@ -60,6 +60,11 @@ def capture_for(policies: Sequence[Policy]) -> CapturePolicy:
                 f"policy {policy.name!r} compresses during prefill (a chunk schedule), so it cannot be derived "
                 "from a shared full prefill; prefill it on its own"
             )
+        if policy.compresses and policy.scoring_pass is not None:
+            raise ValueError(
+                f"policy {policy.name!r} scores the prompt in a pass of its own after prefill (KVzip's "
+                "reconstruction), which needs the prompt's tokens; prefill it on its own"
+            )
     compressors = [p for p in policies if p.compresses]
     return CapturePolicy(
         window=max((p.window_size for p in compressors), default=0),

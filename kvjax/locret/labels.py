@@ -9,6 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache.attention import attention_max
 from kvjax.cache.state import gather_layer, init_state
 from kvjax.engine.step import append_step
 from kvjax.models.config import ModelConfig
@@ -16,7 +17,6 @@ from kvjax.models.rope import uses_long_factors
 from kvjax.policies import FullPolicy
 
 FULL = FullPolicy()
-_MASKED = -1e30
 ANSWER_BLOCK = 64  # answer queries scored at once in the label step
 
 
@@ -58,27 +58,13 @@ def answer_logit_max(
 
     `q [B, A, Hq, D]` post-RoPE answer queries, `answer_real bool[B, A]`, `k [B, H, S, D]` keys in slot
     order, `key_real bool[B, H, S]`. Entries of unreal keys are 0. The answer is visited `answer_block`
-    queries at a time with a running max, so the largest score tensor is `[B, H, G, answer_block, S]`,
-    whatever the answer's length (never `[.., A, S]`, nor anything `[.., S, S]`)."""
-    B, A, Hq, D = q.shape
-    H = k.shape[1]
-    a = min(answer_block, A)
-    blocks = -(-A // a)
-    pad = blocks * a - A
-    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    real = jnp.pad(answer_real, ((0, 0), (0, pad)))
-    qb = jnp.moveaxis(q.reshape(B, blocks, a, H, Hq // H, D), 1, 0)  # [blocks, B, a, H, G, D]
-    rb = jnp.moveaxis(real.reshape(B, blocks, a), 1, 0)  # [blocks, B, a]
-    k = k.astype(q.dtype)
-
-    def block(best, xs):
-        qg, r = xs
-        s = jnp.einsum("bahgd,bhsd->bhgas", qg, k, preferred_element_type=jnp.float32) * D**-0.5
-        s = jnp.where(r[:, None, None, :, None], s, _MASKED)
-        return jnp.maximum(best, s.max(axis=(2, 3))), None
-
-    best, _ = jax.lax.scan(block, jnp.full(k.shape[:3], _MASKED, jnp.float32), (qb, rb))
-    return jnp.where(key_real, best, 0.0)
+    queries at a time with a running max (`kvjax.cache.attention.attention_max`), so the largest score
+    tensor is `[B, H, G, answer_block, S]`, whatever the answer's length (never `[.., A, S]`, nor anything
+    `[.., S, S]`). Answer queries follow every prefix key, so no causal mask applies."""
+    B, A = answer_real.shape
+    after = jnp.ones((B, A), jnp.int32)  # every key at position 0 is "before" them: only key_real restricts
+    zeros = jnp.zeros(k.shape[:3], jnp.int32)
+    return attention_max(q, after, answer_real, k, zeros, key_real, probs=False, block=answer_block)
 
 
 def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chunk_size: int, page_size: int = 16,

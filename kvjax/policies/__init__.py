@@ -1,8 +1,8 @@
 """KV-cache policies: one small file per method, registered by name for `kvjax.make_policy`."""
 
 from kvjax.policies.base import (
-    POLICY_REGISTRY, ChunkSchedule, FullPolicy, LayerView, Policy, Preset, make_policy, register_policy,
-    register_preset,
+    POLICY_REGISTRY, ChunkSchedule, FullPolicy, LayerView, Policy, Preset, ScoringPass, make_policy,
+    register_policy, register_preset,
 )
 from kvjax.policies.eviction import ScoredEviction
 from kvjax.policies.snapkv import SnapKV
@@ -16,13 +16,14 @@ from kvjax.policies.quest_adaptive import QuestAdaptive
 from kvjax.policies.compose import Compose
 from kvjax.policies.locret import Locret
 from kvjax.policies.ada import AdaKV
+from kvjax.policies.kvzip import KVzip
 from kvjax.policies.oracle import OraclePage, OracleToken
 from kvjax.policies.loki import Loki
 from kvjax.policies.key_int4 import KeyInt4
 from kvjax.policies.options import parse_spec
 
 __all__ = [
-    "POLICY_REGISTRY", "AdaKV", "ChunkSchedule", "Compose", "Quest", "QuestAdaptive", "QuestStatic", "FullPolicy", "H2O", "LayerView", "Locret", "Policy", "PyramidKV",
-    "Preset", "ScoredEviction", "SnapKV", "StreamingLLM", "TOVA", "make_policy", "register_policy", "register_preset",
+    "POLICY_REGISTRY", "AdaKV", "ChunkSchedule", "Compose", "Quest", "QuestAdaptive", "QuestStatic", "FullPolicy", "H2O", "KVzip", "LayerView", "Locret", "Policy", "PyramidKV",
+    "Preset", "ScoredEviction", "ScoringPass", "SnapKV", "StreamingLLM", "TOVA", "make_policy", "register_policy", "register_preset",
     "KeyInt4", "Loki", "OraclePage", "OracleToken", "parse_spec",
 ]

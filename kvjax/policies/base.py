@@ -65,6 +65,23 @@ class ChunkSchedule(NamedTuple):
     params: Any = None
 
 
+class ScoringPass(NamedTuple):
+    """A pass over the prompt again after prefill, before compression (KVzip's context reconstruction,
+    `kvjax.engine.reconstruction`): the prompt is fed again in chunks of `chunk` tokens, each after an
+    instruction (`first` before the first chunk; `later` and the previous chunk's last `overlap` tokens
+    before the others) and the chat template's turn end, and each prompt slot's score is the largest
+    softmax attention a fed query of its kv head's group gives it, over the first `sinks` slots, the
+    chunk's own slots and the fed tokens. The first `sinks` slots score +inf. `pool(scores f32[L, B, H, S])`
+    (slot order, -inf where no prompt slot) returns the scores with -inf on every slot to evict."""
+
+    chunk: int
+    sinks: int
+    first: str
+    later: str
+    overlap: int
+    pool: Callable[[jax.Array], jax.Array]
+
+
 class LayerView(NamedTuple):
     """One layer's cache as a policy sees it. B sequences, H kv heads, Hq = H * G query heads, S = slots
     in the table, N = pages in the pool, P = logical pages read. A step fills what the hook reads:
@@ -171,6 +188,11 @@ class Policy:
         """Compress after every prefill chunk (Locret), or None: once, after prefill."""
         return None
 
+    @property
+    def scoring_pass(self) -> ScoringPass | None:
+        """A pass over the prompt after prefill that scores its slots before `compress_layer` (KVzip), or None."""
+        return None
+
     def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
         """Most slots one head keeps after `compress_layer` for a prompt of `prompt_len` (static)."""
         return prompt_len
@@ -217,8 +239,8 @@ class Policy:
 
 # Each role's members: its hook and what the steps ask of a policy playing it (inputs, sizes, where it acts).
 ROLE_MEMBERS: dict[str, tuple[str, ...]] = {
-    "compress": ("compresses", "accumulates_attention", "window_size", "chunks", "kept_bound", "compresses_layer",
-                 "compress_layer", "slots_needed"),
+    "compress": ("compresses", "accumulates_attention", "window_size", "chunks", "scoring_pass", "kept_bound",
+                 "compresses_layer", "compress_layer", "slots_needed"),
     "select": ("selects_pages", "select_pages", "keeps_key_sketch", "attach_sketch", "sketch_keys"),
     "evict": ("evicts_while_decoding", "decode_budget", "decode_scores"),
 }
