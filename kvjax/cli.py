@@ -158,7 +158,7 @@ BENCHMARKS = {
     "trace-needle": "kvjax.eval.trace_needle", "locret-labels": "kvjax.eval.bench_locret_labels",
     "suite": "kvjax.eval.suite", "compare": "kvjax.eval.compare", "dispatch": "kvjax.eval.bench_dispatch",
     "load": "kvjax.eval.bench_load", "locret-oracle": "kvjax.eval.locret_oracle",
-    "device": "kvjax.eval.bench_device",
+    "device": "kvjax.eval.bench_device", "saved-state": "kvjax.eval.bench_saved_state",
 }
 TRAINERS = {"locret": "kvjax.train.locret", "default-model": "kvjax.train.train_default_model",
             "cacheclip-aux": "kvjax.train.cacheclip_aux"}

@@ -1,0 +1,182 @@
+"""A long document compressed once and asked a question later: answering from a saved state (`kvjax.load_state`
+plus the question's decode) against prefilling the document again (`generate(..., decode_last=N)`).
+
+For each policy the document (Quest's passkey in real text, `--tokens` long with its question) is prefilled,
+compressed and saved once; then a fresh process (no compilation cache: cold) answers the question both ways,
+each twice: the first call compiles (cold), the second is what a warm server pays. Model loading is timed
+apart. The answers must be equal token for token. Sizes: the saved state's bytes on disk against the bytes
+of the uncompressed float32 cache of the same tokens (2 * layers * kv heads * tokens * head_dim * 4).
+
+    python -m eval.bench_saved_state --model smollm2-135m   # eval/results/saved_state/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from ._report import LOAD_AT_START, cpu_load, default_out, machine_info, markdown_table, write_outputs
+from ._tables import load_line
+
+POLICIES = {  # name -> (policy, options (BUDGET: a quarter of the document), page dtype)
+    "quest": ("quest", {"token_budget": 1024}, None),
+    "snapkv-int8": ("snapkv", {"token_budget": "BUDGET"}, "int8"),
+}
+
+
+def answer(args) -> dict:
+    """The worker (a fresh process): time the question's answer from the saved state and from a prefill."""
+    import kvjax
+
+    with open(os.path.join(args.work, "sample.json")) as f:
+        sample = json.load(f)
+    started = time.perf_counter()
+    model = kvjax.load_model(args.model, kv_dtype=args.kv_dtype)
+    model_s = time.perf_counter() - started
+    out = {"model_load_s": model_s}
+    question, new = sample["question_ids"], sample["max_new_tokens"]
+    if args.worker == "saved":
+        def run():
+            saved = kvjax.load_state(args.state, model)
+            return saved, kvjax.generate_from_state(model, saved, question, new)[0]
+    else:
+        from kvjax.engine.saved_state import policy_from_spec
+
+        policy = policy_from_spec(kvjax.read_header(args.state)["policy"])  # the policy the state was saved under
+
+        def run():
+            return None, kvjax.generate(model, [sample["context_ids"] + question], new, policy,
+                                        decode_last=len(question))[0]
+    for name in ("cold", "warm"):
+        start = time.perf_counter()
+        _, tokens = run()
+        out[f"{name}_s"] = time.perf_counter() - start
+    out["tokens"] = [int(t) for t in tokens]
+    print(json.dumps(out))
+    return out
+
+
+def in_fresh_process(args, worker: str, state: str, kv_dtype: str | None) -> dict:
+    command = [sys.executable, "-m", "kvjax.eval.bench_saved_state", "--worker", worker, "--state", state, "--work",
+               args.work, "--model", args.model] + (["--kv-dtype", kv_dtype] if kv_dtype else [])
+    env = dict(os.environ, KVJAX_COMPILATION_CACHE="off")  # cold means compiling
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode:
+        raise SystemExit(f"worker {worker} failed: {result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def disk_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def render(payload: dict) -> str:
+    rows = []
+    for name, run in payload["runs"].items():
+        saved, again = run["saved"], run["prefill"]
+        rows.append([name, run["policy"]["name"], run["page_dtype"], f"{run['disk_bytes'] / 2**20:.1f}",
+                     f"{run['disk_bytes'] / payload['full_float32_bytes']:.3f}",
+                     f"{again['cold_s']:.1f} / {saved['cold_s']:.1f}", f"{again['cold_s'] / saved['cold_s']:.1f}x",
+                     f"{again['warm_s']:.2f} / {saved['warm_s']:.2f}", f"{again['warm_s'] / saved['warm_s']:.1f}x",
+                     "yes" if run["answers_equal"] else "NO"])
+    return (markdown_table(["state", "policy", "page dtype", "on disk MiB", "of full f32", "cold s: prefill / saved",
+                            "cold speed-up", "warm s: prefill / saved", "warm speed-up", "answers equal"], rows)
+            + f"\n{payload['model']}, a {payload['tokens']}-token passkey document and its question "
+              f"({payload['question_tokens']} tokens, fed by decode), {payload['max_new_tokens']} new tokens, greedy; "
+              f"the full float32 cache of those tokens: {payload['full_float32_bytes'] / 2**20:.0f} MiB. Saved: "
+              "`load_state` + `generate_from_state`; prefill: `generate(decode_last=...)`; cold = first call of a fresh "
+              "process (compiles, no compilation cache), warm = second call; model loading "
+              f"({payload['model_load_s']:.1f} s) excluded. {payload['machine'].get('cpu_model', '')}, "
+              f"{payload['machine']['cpu_count']} cores, SHARED with other jobs: the times are noisy. "
+              f"{load_line(payload)}\n")
+
+
+def plot(payload: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, when in zip(axes, ("cold", "warm")):
+        names = list(payload["runs"])
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], [payload["runs"][n]["prefill"][f"{when}_s"] for n in names], 0.4, label="prefill again")
+        ax.bar([i + 0.2 for i in x], [payload["runs"][n]["saved"][f"{when}_s"] for n in names], 0.4, label="saved state")
+        ax.set_xticks(list(x), names)
+        ax.set_yscale("log")
+        ax.set_ylabel("seconds to answer")
+        ax.set_title(when)
+    axes[0].legend()
+    fig.suptitle(f"{payload['model']}, {payload['tokens']} tokens (shared CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=8176, help="document and question (8K less the answer)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=default_out("saved_state"))
+    parser.add_argument("--work", default=None, help="where the saved states go (default: OUT/states, not kept)")
+    parser.add_argument("--worker", choices=["saved", "prefill"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--state", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--kv-dtype", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return answer(args)
+
+    import shutil
+
+    import kvjax
+    from kvjax.tasks.needles import passkey_samples
+
+    args.work = args.work or os.path.join(args.out, "states")
+    os.makedirs(args.work, exist_ok=True)
+    model = kvjax.load_model(args.model)
+    sample = passkey_samples(model.tokenizer, args.tokens, 1, args.seed)[0]
+    new = sample.max_new_tokens
+    with open(os.path.join(args.work, "sample.json"), "w") as f:
+        json.dump({"context_ids": sample.context_ids, "question_ids": sample.question_ids, "max_new_tokens": new}, f)
+    cfg = model.cfg
+    runs = {}
+    for name, (policy_name, options, kv_dtype) in POLICIES.items():
+        options = {k: len(sample.context_ids) // 4 if v == "BUDGET" else v for k, v in options.items()}
+        policy = kvjax.make_policy(policy_name, **options)
+        pages_model = model.with_kv_dtype(kv_dtype) if kv_dtype else model
+        state_dir = os.path.join(args.work, name)
+        start = time.perf_counter()
+        state, logits = kvjax.prefill(pages_model, [sample.context_ids], policy,
+                                      max_new_tokens=len(sample.question_ids) + new)
+        kvjax.save_state(state, state_dir, model=pages_model, policy=policy, logits=logits, model_name=args.model)
+        save_s = time.perf_counter() - start
+        del state, logits
+        saved = in_fresh_process(args, "saved", state_dir, kv_dtype)
+        again = in_fresh_process(args, "prefill", state_dir, kv_dtype)
+        header = kvjax.read_header(state_dir)
+        runs[name] = {"policy": header["policy"], "page_dtype": header["page_dtype"], "pages": header["pages"],
+                      "disk_bytes": disk_bytes(state_dir), "prefill_and_save_s": save_s, "saved": saved,
+                      "prefill": again, "answers_equal": saved["tokens"] == again["tokens"],
+                      "answer": model.tokenizer.decode([t for t in saved["tokens"] if t >= 0], skip_special_tokens=True)}
+        print(name, {k: v for k, v in runs[name].items() if k not in ("saved", "prefill")}, file=sys.stderr)
+    shutil.rmtree(args.work, ignore_errors=True)
+    payload = {"benchmark": "bench_saved_state", "machine": machine_info(), "model": args.model,
+               "tokens": len(sample.context_ids) + len(sample.question_ids), "question_tokens": len(sample.question_ids),
+               "max_new_tokens": new, "expected_answer": sample.answer,
+               "full_float32_bytes": 2 * cfg.num_layers * cfg.num_kv_heads * len(sample.context_ids) * cfg.head_dim * 4,
+               "model_load_s": min(r["saved"]["model_load_s"] for r in runs.values()), "runs": runs,
+               "shared_machine": True, "cpu_load_before": LOAD_AT_START, "cpu_load_after": cpu_load()}
+    table = render(payload)
+    paths = write_outputs(args.out, "bench_saved_state", payload, table)
+    plot(payload, paths["json"].replace(".json", ".png"))
+    print(table)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
