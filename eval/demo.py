@@ -2,11 +2,11 @@
 
 By default it loads the shipped tiny model (no downloads) and runs its synthetic passkey and multi-key
 tasks with Quest's protocol (question fed by decode after the context is compressed) under full
-attention, Quest, the query-agnostic Quest control, SnapKV, Ada-SnapKV, H2O and StreamingLLM at one small
-budget, and prints the accuracy table with each policy's decode speed: about two minutes on 2 CPU cores
+attention, Quest, the query-agnostic Quest control, SnapKV, Ada-SnapKV, H2O, StreamingLLM and KVzip at one
+small budget, and prints the accuracy table with each policy's decode speed: a few minutes on 2 CPU cores
 (less when JAX's compilation cache is warm). With `--model smollm2-135m` (after `kvjax fetch
 smollm2-135m`) it runs real-text passkey and RULER's single needle instead, with full, Quest, SnapKV,
-Ada-SnapKV, H2O and StreamingLLM.
+Ada-SnapKV, H2O, StreamingLLM and KVzip.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import json
 import os
 import time
 
-DEMO_POLICIES = ("full", "quest", "quest_static", "snapkv", "ada_snapkv", "h2o", "streaming")
-REAL_POLICIES = ("full", "quest", "snapkv", "ada_snapkv", "h2o", "streaming")
+DEMO_POLICIES = ("full", "quest", "quest_static", "snapkv", "ada_snapkv", "h2o", "streaming", "kvzip")
+REAL_POLICIES = ("full", "quest", "snapkv", "ada_snapkv", "h2o", "streaming", "kvzip")
 # (tasks, policies, budget, samples, dense layers) per kind of model. The shipped model retrieves from
 # layer 1 on (docs/default_model.md); on a real model every policy keeps Quest's paper default of 2 dense
 # layers, and a 2K context at budget 256 (1/8) is where the methods part ways on SmolLM2-135M.

@@ -41,16 +41,18 @@ def build_policy(spec: str, budget: int | None, dense_layers: int = DEFAULT_DENS
 
 
 def time_decodes(model, policies: dict, prompts: Sequence[Sequence[int]], steps: int = 16) -> dict:
-    """Prefill `prompts` once (`kvjax.engine.shared_prefill`), derive each of `policies` ({key: Policy}), then time
+    """Prefill `prompts` once (`kvjax.engine.shared_prefill`), derive each of `policies` ({key: Policy}; one that
+    compresses during prefill or scores in a pass of its own, Locret or KVzip, is prefilled alone), then time
     `steps` decode steps after one warm-up step: {key: {decode_ms_per_step (median), decode_tokens_per_s, batch}}."""
-    from kvjax.engine.shared_prefill import derive, shared_prefill
+    from kvjax.engine.shared_prefill import shared_prefill
 
     from ._timing import DecodeRun
 
-    shared = shared_prefill(model, prompts, list(policies.values()), reserve_tokens=steps + 8)
+    shareable = [p for p in policies.values() if not retrieval.compresses_in_prefill(p)]
+    shared = shared_prefill(model, prompts, shareable, reserve_tokens=steps + 8) if shareable else None
     out = {}
     for key, policy in policies.items():
-        result = DecodeRun(model, *derive(model, shared, policy), policy).run(steps)
+        result = DecodeRun(model, *retrieval.policy_state(model, shared, policy, prompts, steps + 8), policy).run(steps)
         out[key] = {"decode_ms_per_step": 1e3 * result["decode_step_s"],
                     "decode_tokens_per_s": result["decode_tokens_per_s"], "batch": len(prompts)}
     return out
