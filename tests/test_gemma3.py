@@ -14,6 +14,7 @@ import transformers  # noqa: E402
 
 import kvjax  # noqa: E402
 from conftest import random_tokens  # noqa: E402
+from gguf_reference import add_shape_metadata, transformers_gguf  # noqa: E402
 from kvjax.models.config import ModelConfig  # noqa: E402
 
 TOL = 1e-4
@@ -126,18 +127,11 @@ def write_gemma3_gguf(path, model, qtype):
     gguf = pytest.importorskip("gguf")
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    add_shape_metadata(writer, cfg)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_sliding_window(cfg.sliding_window)
-    writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(int(qtype))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, cfg.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
@@ -173,6 +167,4 @@ def test_gguf_matches_the_source_and_transformers(tmp_path, qtype):
     if qtype == "F32":
         np.testing.assert_allclose(ours, hf_logits(source, tokens), atol=TOL, rtol=0)
     else:
-        reference = transformers.AutoModelForCausalLM.from_pretrained(
-            str(tmp_path), gguf_file="gemma3.gguf", dtype=torch.float32).eval()
-        np.testing.assert_allclose(ours, hf_logits(reference, tokens), atol=TOL, rtol=0)
+        np.testing.assert_allclose(ours, hf_logits(transformers_gguf(path), tokens), atol=TOL, rtol=0)

@@ -13,7 +13,8 @@ gguf = pytest.importorskip("gguf")
 
 import kvjax  # noqa: E402
 from conftest import random_tokens  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config  # noqa: E402
+from gguf_reference import add_shape_metadata, transformers_gguf  # noqa: E402
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config  # noqa: E402
 from transformers import Qwen2ForCausalLM  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -102,15 +103,8 @@ def write_gguf(path, model, arch="llama", qtype=Q.F32, tokenizer=True, seed=0, e
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(name)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    add_shape_metadata(writer, cfg)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
     if arch == "llama":
         writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     writer.add_file_type(int(qtype))
@@ -150,12 +144,6 @@ def write_gguf(path, model, arch="llama", qtype=Q.F32, tokenizer=True, seed=0, e
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
-
-
-def transformers_gguf(path):
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
 
 
 def logits_of(model, tokens):

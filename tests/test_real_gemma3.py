@@ -5,16 +5,19 @@ import os
 
 import numpy as np
 import pytest
-torch = pytest.importorskip("torch", reason="compares with transformers, which runs on torch (the dev extra)")
 
-import kvjax  # noqa: E402
-from kvjax.models import hub  # noqa: E402
+import kvjax
+from kvjax.models import hub
 
 pytestmark = pytest.mark.real
 NAME = "gemma3-270m"
 PATH = hub.cached_path(NAME)
+# the fetch first: its skip names `kvjax fetch`, which KVJAX_TEST_REQUIRE=real turns into a failure (conftest.py)
 if PATH is None:
     pytest.skip(f"{NAME} is not fetched; run `kvjax fetch {NAME}` to run these tests", allow_module_level=True)
+torch = pytest.importorskip("torch", reason="compares with transformers, which runs on torch (the dev extra)")
+
+from gguf_reference import transformers_gguf  # noqa: E402
 
 LICENSE = "/usr/share/common-licenses/GPL-3"
 PROSE = (
@@ -31,12 +34,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def reference():
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(2)
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(PATH), gguf_file=os.path.basename(PATH), dtype=torch.float32
-    ).eval()
+    return transformers_gguf(PATH, threads=2)
 
 
 def long_ids(model, count):
