@@ -48,17 +48,39 @@ class SavedState(NamedTuple):
 # ------------------------------------------------------------------------------------------ identities
 
 
+def _set_fields(config: Any) -> Any:
+    """A config dataclass as a dict of the fields that differ from their defaults (nested alike), so a field
+    a later kvjax adds, at its default, leaves the identity of existing models unchanged."""
+    if not dataclasses.is_dataclass(config):
+        return config
+    out = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        if value != default:
+            out[field.name] = _set_fields(value)
+    return out
+
+
 def model_identity(model: Model, name: str | None = None) -> dict:
-    """The model a state belongs to: a hash of its config and a fingerprint of its weights (the first and
-    last elements of every parameter, in its dtype), so a fine-tuned copy of one config is told apart."""
-    config = json.dumps(dataclasses.asdict(model.cfg), sort_keys=True, default=str).encode()
-    weights = hashlib.blake2b(digest_size=16)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]:
-        flat = jnp.ravel(leaf)
-        sample = np.asarray(jnp.concatenate([flat[:16], flat[-16:]]).astype(jnp.float32))
-        weights.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode() + sample.tobytes())
-    return {"name": name, "config_hash": hashlib.blake2b(config, digest_size=16).hexdigest(),
-            "weights_fingerprint": weights.hexdigest(), "dtype": jnp.dtype(model.dtype).name}
+    """The model a state belongs to: a hash of its config (the fields set) and a fingerprint of its weights
+    (their count, dtypes and total magnitude, and the first embedding values): a fine-tuned copy of one
+    config is told apart, whichever layout (stacked or per layer) holds the parameters."""
+    cached = model.__dict__.get("_saved_state_identity")  # computed once per parameter tree
+    if cached is not None and cached[0] is model.params:
+        return dict(cached[1], name=name)
+    config = json.dumps(_set_fields(model.cfg), sort_keys=True, default=str).encode()
+    leaves = jax.tree_util.tree_flatten_with_path(model.params)[0]
+    mass = sum(float(np.abs(np.asarray(leaf, np.float32)).sum(dtype=np.float64)) for _, leaf in leaves)
+    dtypes = sorted({jnp.dtype(leaf.dtype).name for _, leaf in leaves})
+    embedding = [leaf for path, leaf in leaves if "embed" in jax.tree_util.keystr(path)]
+    sample = np.asarray(jnp.ravel(embedding[0])[:64].astype(jnp.float32)).tobytes() if embedding else b""
+    weights = f"{sum(leaf.size for _, leaf in leaves)}|{dtypes}|{mass:.4e}".encode() + sample
+    identity = {"name": name, "config_hash": hashlib.blake2b(config, digest_size=16).hexdigest(),
+                "weights_fingerprint": hashlib.blake2b(weights, digest_size=16).hexdigest(),
+                "dtype": jnp.dtype(model.dtype).name}
+    model.__dict__["_saved_state_identity"] = (model.params, identity)
+    return identity
 
 
 def policy_spec(policy: Policy) -> dict:
