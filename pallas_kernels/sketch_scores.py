@@ -121,7 +121,8 @@ def sketch_page_scores(
     """Sketch score of every logical page: f32[B, Hq, P] (or [B, KVH, P], max over the group, with
     `per_kv_head`); -inf past the used pages and at the current page. Backends as `quest_page_scores`: "xla"
     (the CPU default) scores a block of pages at a time (`sketch_page_scores_xla`); "pallas_tpu" and
-    "pallas_gpu" gather the pages' rows in the kernel; "pallas_mosaic_gpu" scores with the XLA form."""
+    "pallas_gpu" gather the pages' rows in the kernel; "pallas_mosaic_gpu" TMA-copies blocks of 64 slots
+    and writes their pages' maxima (never the default: it has not run on a GPU)."""
     if backend is None:
         backend = default_backend_for(
             sketch_page_scores, dict(q=q, codes=codes, page_table=page_table, lengths=lengths),
@@ -133,8 +134,14 @@ def sketch_page_scores(
             q, codes, page_table, lengths, page_size=page_size, codes_kind=codes_kind, per_kv_head=per_kv_head
         )
     check_sketch_inputs(q, codes, page_table, lengths, codes_kind)
-    if backend in ("xla", "pallas_mosaic_gpu"):
+    if backend == "xla":
         scores = sketch_page_scores_xla(q, codes, page_table, lengths, page_size=page_size, codes_kind=codes_kind)
+        return finish_scores(scores, per_kv_head)
+    if backend == "pallas_mosaic_gpu":
+        from .sketch_scores_mosaic_gpu import sketch_scores_mosaic_gpu
+
+        scores = sketch_scores_mosaic_gpu(q, codes, page_table, lengths, page_size=page_size, codes_kind=codes_kind,
+                                          interpret=resolve_interpret(backend, interpret))
         return finish_scores(scores, per_kv_head)
     if backend == "pallas_tpu":
         from .sketch_scores_tpu import sketch_scores_tpu as kernel

@@ -114,15 +114,40 @@ def test_xla_scores_do_not_decode_the_whole_context():
     assert temp_bytes(None) < decoded // 3
 
 
+@pytest.mark.parametrize("codes_kind, page_size, width", [("float", 16, 16), ("int4", 16, 32), ("float", 32, 64)])
+def test_mosaic_gpu_sketch_scores_match_definition(codes_kind, page_size, width):
+    """The Mosaic GPU scorer under Mosaic GPU's interpret mode (TMA copies and barriers simulated on CPU):
+    one block of 64 slots (4 or 2 pages) per CUDA block, 5 logical pages per head (a padded last block)."""
+    from kvjax.pallas_kernels.decode_mosaic_gpu import gpu_interpret_params, has_mosaic_gpu
+
+    if not has_mosaic_gpu() or gpu_interpret_params() is None:
+        pytest.skip("this JAX has no Mosaic GPU interpret mode")
+    rng = np.random.default_rng([11, page_size, width])
+    q, codes, rows, table, lengths = sketch_inputs(rng, codes_kind, page_size=page_size, width=width)
+    if codes_kind == "float":
+        codes = np.asarray(pk.bfloat16_bits(jnp.asarray(codes)))
+        rows = np.asarray(pk.page_values(jnp.asarray(codes)), np.float32)
+    expected = numpy_page_scores(q, rows, table, lengths, page_size)
+    actual = np.asarray(sketch_page_scores(jnp.asarray(q), jnp.asarray(codes), jnp.asarray(table), jnp.asarray(lengths),
+                                           page_size=page_size, codes_kind=codes_kind, backend="pallas_mosaic_gpu",
+                                           interpret=True))
+    np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(actual[finite], expected[finite], rtol=1e-5, atol=1e-4)
+
+
 def test_sketch_scores_lower_for_tpu_and_gpu():
     from conftest import simulate
     from kvjax.pallas_kernels._backend import triton_compiler_params
+    from kvjax.pallas_kernels.decode_mosaic_gpu import has_mosaic_gpu
 
     s = jax.ShapeDtypeStruct
     for kind, codes in (("float", s((40, 16, 64), jnp.bfloat16)), ("int4", s((40, 16, 32), jnp.int8))):
         args = (s((2, 8, 64), jnp.float32), codes, s((2, 2, 9), jnp.int32), s((2, 2), jnp.int32))
-        for backend, platform, mark in (("pallas_tpu", "tpu", "tpu_custom_call"), ("pallas_gpu", "cuda", "triton")):
-            if backend == "pallas_gpu" and triton_compiler_params() is None:
+        for backend, platform, mark in (("pallas_tpu", "tpu", "tpu_custom_call"), ("pallas_gpu", "cuda", "triton"),
+                                        ("pallas_mosaic_gpu", "cuda", "mosaic_gpu")):
+            if backend == "pallas_gpu" and triton_compiler_params() is None or \
+                    backend == "pallas_mosaic_gpu" and not has_mosaic_gpu():
                 continue
             fn = lambda *a, backend=backend, kind=kind: sketch_page_scores(
                 *a, page_size=16, codes_kind=kind, backend=backend, interpret=False)
@@ -176,17 +201,19 @@ def numpy_int4(keys, q, quantile):
     return np.clip(np.round(keys / scale), -8, 7) @ (q * scale)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("name, options, reference", [
     ("loki", dict(rank=3), lambda k, q: numpy_loki(k, q, 3)),
     ("key_int4", dict(clip_quantile=0.9), lambda k, q: numpy_int4(k, q, 0.9)),
 ])
-def test_sketch_selectors_score_as_defined(name, options, reference):
+def test_sketch_selectors_score_as_defined(name, options, reference, kv_dtype):
     """Prefill a tiny model with the selector, then score every page of a layer from the state's sketch and
-    compare with the numpy definition applied to the same layer's keys."""
+    compare with the numpy definition applied to the same layer's keys, as attention reads them (bfloat16
+    pages held as bit patterns, int8 pages dequantised)."""
     from kvjax.cache.state import gather_layer
     from kvjax.engine.api import prefill
 
-    model = tiny_model()
+    model = tiny_model().with_kv_dtype(kv_dtype)
     policy = kvjax.make_policy(name, token_budget=32, dense_layers=0, **options)
     prompt = np.random.default_rng(2).integers(5, model.cfg.vocab_size, size=(1, 70))
     state, _ = prefill(model, prompt, policy, page_size=16, max_new_tokens=4)
@@ -209,16 +236,20 @@ def tiny_model():
     return kvjax.load_model("tiny")
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("name", ["oracle_page", "oracle_token", "loki", "key_int4"])
-def test_selector_equals_full_attention_when_budget_covers_context(name):
-    model = tiny_model()
+def test_selector_equals_full_attention_when_budget_covers_context(name, kv_dtype):
+    if kv_dtype != "float32" and name.startswith("oracle"):
+        pytest.skip("the oracles score the pool's keys in their dtype: evaluation only, float32 runs")
+    model = tiny_model().with_kv_dtype(kv_dtype)
     prompt = np.random.default_rng(4).integers(5, model.cfg.vocab_size, size=(2, 60))
     full = kvjax.generate(model, prompt, 4, decode_last=6)
     policy = kvjax.make_policy(name, token_budget=128, dense_layers=0)
     np.testing.assert_array_equal(kvjax.generate(model, prompt, 4, policy=policy, decode_last=6), full)
 
 
-@pytest.mark.parametrize("evict, select", [("snapkv", "loki"), ("h2o", "key_int4")])
+@pytest.mark.parametrize("evict, select", [("snapkv", "loki"), ("h2o", "key_int4"), ("tova", "loki"),
+                                           ("streaming", "key_int4"), ("snapkv", "key_int4"), ("h2o", "loki")])
 def test_sketch_selector_composes_with_an_evictor(evict, select):
     """Compose(evict=..., select=loki | key_int4): the sketch is fitted on the compressed state (and written
     for every decoded token, into H2O's refilled holes too); when the selection's budget covers every

@@ -40,15 +40,35 @@ def greedy_loop(model, policy, new_tokens):
     return decode
 
 
-@pytest.mark.parametrize("name", ["full", "quest"])
+@pytest.mark.parametrize("name", ["full", "quest", "loki", "key_int4"])
 def test_a_jitted_user_loop_gives_generates_tokens(model, name):
-    policy = None if name == "full" else kvjax.make_policy("quest", token_budget=32, page_size=16)
+    """Every selector selects in layer 2 (1 page of 16 besides the current one); loki and key_int4 carry the
+    prefill's key sketch through the loop and write each decoded token's row."""
+    policy = None if name == "full" else kvjax.make_policy(name, token_budget=32, page_size=16)
     expected = kvjax.generate(model, PROMPT, 6, policy)
     state, logits = kvjax.prefill(model, PROMPT, policy, max_new_tokens=6)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     state, tokens = greedy_loop(model, policy, 6)(state, first)
     assert int(state.overflow[0]) == 0  # the capacity flag, left in the state for the caller
     np.testing.assert_array_equal(np.concatenate([np.asarray(first)[:, None], np.asarray(tokens)], axis=1), expected)
+    if name in ("loki", "key_int4"):  # the loop wrote each decoded token's sketch row from its key
+        assert_sketch_rows_follow_keys(policy, state, layer=2, slots=slice(40, 45))
+
+
+def assert_sketch_rows_follow_keys(policy, state, layer, slots):
+    """The state's sketch rows at logical `slots` of `layer` equal the selector's sketch of the pool's keys there."""
+    from kvjax.cache.state import gather_layer
+    from kvjax.pallas_kernels import page_values
+    from kvjax.pallas_kernels.sketch_scores import unpack_int4
+
+    keys = gather_layer(state, layer)[0][:, :, slots]  # [B, H, n, D]
+    expected = policy.codes(jax.tree.map(lambda x: x[layer], state.key_sketch.params), keys.astype(jnp.float32))
+    table = jnp.clip(state.page_table[layer], 0, None)
+    B, H, P = table.shape
+    rows = state.key_sketch.codes[table].reshape(B, H, P * state.page_size, -1)[:, :, slots]
+    decode = (lambda x: np.concatenate([np.asarray(a) for a in unpack_int4(x)], -1)) if policy.codes_kind == "int4" \
+        else (lambda x: np.asarray(page_values(x), np.float32))
+    np.testing.assert_allclose(decode(rows), decode(expected), rtol=1e-2, atol=1e-2)
 
 
 def test_the_capacity_flag_stays_in_the_state(model):

@@ -60,8 +60,9 @@ class SketchSelect(Quest):
         params = jax.tree.map(lambda x: x[layer], sketch.params)
         return jnp.swapaxes(self.codes(params, jnp.swapaxes(k, 1, 2)), 1, 2)
 
-    def page_bounds(self, view: LayerView) -> jax.Array:
-        """Each page's best sketched score, `f32[B, Hq or H, P]`; -inf for the current page and past the used."""
+    def page_bounds(self, view: LayerView, backend: str | None = None) -> jax.Array:
+        """Each page's best sketched score, `f32[B, Hq or H, P]`; -inf for the current page and past the used.
+        `backend` as `sketch_page_scores`' (None: the platform's)."""
         from kvjax.pallas_kernels.sketch_scores import sketch_page_scores
 
         sketch = view.key_sketch
@@ -72,7 +73,7 @@ class SketchSelect(Quest):
         heads = view.page_table.shape[1]
         q = self.query(params, per_head(view.q, heads)).reshape(view.q.shape[0], view.q.shape[1], -1)
         return sketch_page_scores(q, sketch.codes, view.page_table, view.lengths, page_size=view.page_size,
-                                  codes_kind=self.codes_kind, per_kv_head=self.per_kv_head)
+                                  codes_kind=self.codes_kind, per_kv_head=self.per_kv_head, backend=backend)
 
 
 @functools.partial(jax.jit, static_argnames=("policy",))
