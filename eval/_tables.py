@@ -59,6 +59,25 @@ def policies(payload: dict) -> str:
             f"seconds exclude compiling (JAX's compile events), reported apart. {load_line(payload)}\n")
 
 
+def selection_speed(payload: dict) -> str:
+    """`kvjax bench policies --score-times`: each selector's decode speed against full attention's and Quest's,
+    and one layer's page scores by the step's scorer and by the reference (issue 47)."""
+    results = [r for r in payload["results"] if r["kv_dtype"] == "float32"]
+    quest = {r["context"]: r for r in results if r["policy"] == "quest"}
+    ms = lambda r, key: "" if key not in r else f"{r[key]:.2f}"  # noqa: E731
+    headers = ["context", "policy", "decode tok/s", "vs full", "vs quest", "page scores ms/layer",
+               "reference scorer ms/layer"]
+    rows = [[r["context"], r["policy"], r["decode_tokens_per_s"], _ratio(r["speedup_vs_full"]),
+             _ratio(r["decode_tokens_per_s"] / quest[r["context"]]["decode_tokens_per_s"]) if r["context"] in quest else "",
+             ms(r, "score_ms"), ms(r, "score_reference_ms")] for r in results]
+    m = payload["machine"]
+    return (markdown_table(headers, rows) +
+            f"\nFloat32 pages, budget {payload['budget']}, every layer selecting. {m.get('cpu_model', '')}, "
+            f"{m['cpu_count']} cores, shared with other work; decode: median of {payload['timed_steps']} steps, "
+            "timed round-robin over the policies; page scores: the last layer of the prefilled state, a random query, "
+            f"median of {payload['timed_steps']}, round-robin. {load_line(payload)}\n")
+
+
 def policies_by_page_dtype(payload: dict) -> str:
     """`kvjax bench policies --kv-dtypes float32 bfloat16 int8`: each policy on each page dtype."""
     results = payload["results"]

@@ -6,7 +6,8 @@ anything; one per policy, since eviction happens inside prefill), then decode to
 timed steps after a warm-up step (the steps of every policy timed round-robin), the KV bytes a step
 reads, and pages in use against the full cache.
 `--kv-dtypes float32 int8` measures each policy with float32 and int8 pages (one scale per slot) in one run,
-and gives int8's speed against float32 pages of the same policy.
+and gives int8's speed against float32 pages of the same policy. `--score-times` also times each page
+selector's page scores alone, one layer of the prefilled state (a sketch selector's also by the reference scorer).
 
     python -m eval.bench_policies              # writes ./kvjax-results/policies/bench_policies.{json,md,png}
     python -m eval.bench_policies --quick
@@ -15,10 +16,11 @@ and gives int8's speed against float32 pages of the same policy.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import numpy as np
 
-from ._report import default_out, machine_info, markdown_table, write_outputs
+from ._report import LOAD_AT_START, cpu_load, default_out, machine_info, markdown_table, write_outputs
 from ._timing import DecodeRun, round_robin
 
 POLICIES = {
@@ -95,6 +97,45 @@ def kv_bytes_read(name: str, cfg, context: int, budget: int, page_size: int, kv_
     return cfg.num_layers * heads * budget * per_slot  # an average budget per head
 
 
+def score_calls(run: DecodeRun) -> dict:
+    """One layer's page scores on `run`'s prefilled state with a random query, as jitted calls to time:
+    "score_ms" by `policy.page_bounds` (the step's scorer); for a key-sketch selector also
+    "score_reference_ms" by the reference scorer, which decodes every slot's code row at once."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.engine.step import page_view
+
+    policy, cfg = run.policy, run.model.cfg
+    q = jax.random.normal(jax.random.PRNGKey(0), (run.batch, cfg.num_heads, cfg.head_dim), jnp.float32)
+    view = page_view(run.state, jnp.int32(cfg.num_layers - 1), cfg.num_layers, q)
+    arrays = {name: x for name, x in view._asdict().items() if x is not None and not isinstance(x, int)}
+
+    def scorer(**backend):  # the view's arrays are arguments (not constants folded into the program)
+        scores = jax.jit(lambda arrays: policy.page_bounds(view._replace(**arrays), **backend))
+        return functools.partial(scores, arrays)
+
+    calls = {"score_ms": scorer()}
+    if policy.keeps_key_sketch:
+        calls["score_reference_ms"] = scorer(backend="reference")
+    return calls
+
+
+def time_round_robin(calls: dict, repeats: int) -> dict:
+    """Median milliseconds of each call (its result blocked on), one warm-up each, timed round-robin."""
+    import statistics
+
+    from ._timing import timed
+
+    for call in calls.values():
+        timed(call)
+    seconds = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, call in calls.items():
+            seconds[key].append(timed(call)[1])
+    return {key: 1e3 * statistics.median(values) for key, values in seconds.items()}
+
+
 def _same(results: list, row: dict, policy: str, kv_dtype: str | None = None) -> dict | None:
     """The result of `policy` at `row`'s context (and `kv_dtype`, default the row's)."""
     kv_dtype = kv_dtype or row["kv_dtype"]
@@ -151,6 +192,10 @@ def render(payload: dict, out: str) -> str:
             f"{steps} decode steps after a warm-up, timed round-robin over the policies; prefill seconds exclude compiling (JAX's compile events), "
             "reported apart.\n")
     table = markdown_table(headers, rows) + note
+    if any("score_ms" in r for r in results):
+        from ._tables import selection_speed
+
+        table += "\n" + selection_speed(payload)
     paths = write_outputs(out, "bench_policies", payload, table)
     plot(payload, paths["json"].replace(".json", ".png"))
     return table
@@ -165,6 +210,8 @@ def main(argv=None):
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--kv-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "int8"],
                         help="KV page dtypes to measure each policy with")
+    parser.add_argument("--score-times", action="store_true",
+                        help="also time each page selector's page scores alone (one layer, reference scorer too)")
     parser.add_argument("--out", default=default_out("policies"))
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     args = parser.parse_args(argv)
@@ -185,7 +232,13 @@ def main(argv=None):
         jobs = [(p, d) for p in args.policies for d in args.kv_dtypes]
         runs = [policy_run(model.with_kv_dtype(kv_dtype), prompt, make_policy(name, args.budget))
                 for name, kv_dtype in tqdm(jobs, desc=f"{context} prefill: policy x kv dtype")]
-        for (name, kv_dtype), row in zip(jobs, round_robin(runs, args.steps)):
+        rows = round_robin(runs, args.steps)
+        if args.score_times:  # one layer's page scores of every selector, timed round-robin too
+            calls = {(i, key): call for i, run in enumerate(runs) if run.policy.selects_pages(cfg.num_layers - 1)
+                     for key, call in score_calls(run).items()}
+            for (i, key), ms in time_round_robin(calls, args.steps).items():
+                rows[i][key] = ms
+        for (name, kv_dtype), row in zip(jobs, rows):
             row.update(policy=name, context=context, kv_dtype=kv_dtype,
                        kv_bytes_read_per_step=kv_bytes_read(name, cfg, context, args.budget, 16, kv_dtype,
                                                             row["meta_itemsize"]))
@@ -198,7 +251,8 @@ def main(argv=None):
         f32 = _same(results, row, row["policy"], "float32")
         row["speedup_vs_float32_pages"] = row["decode_tokens_per_s"] / f32["decode_tokens_per_s"] if f32 else None
     payload = {"benchmark": "bench_policies", "machine": machine_info(), "budget": args.budget,
-               "config": attention_heavy_config(args.vocab), "timed_steps": args.steps, "results": results}
+               "config": attention_heavy_config(args.vocab), "timed_steps": args.steps, "results": results,
+               "cpu_load_before": LOAD_AT_START, "cpu_load_after": cpu_load()}
     table = render(payload, args.out)
     print(table)
     return payload
