@@ -16,6 +16,7 @@ import kvjax  # noqa: E402
 from conftest import random_tokens  # noqa: E402
 from gguf_reference import add_shape_metadata, transformers_gguf  # noqa: E402
 from kvjax.models.config import ModelConfig  # noqa: E402
+from kvjax.rag.rope_shift import RopeShiftError, shift_keys  # noqa: E402
 
 TOL = 1e-4
 VOCAB = 97
@@ -92,6 +93,8 @@ def test_forward_logits_match_transformers(gemma):
     unwindowed = dataclasses.replace(model, cfg=model.cfg.with_windows([0] * 6))
     gap = np.abs(np.asarray(kvjax.forward_logits(unwindowed, tokens)) - ref).max(axis=(0, 2))
     assert gap[:WINDOW].max() < TOL and gap[WINDOW:].max() > 1e-2
+    with pytest.raises(RopeShiftError, match="layers differ in RoPE"):  # RAG's key moves need one RoPE
+        shift_keys(np.zeros((1, 4, 2, 16), np.float32), np.ones((1, 4), np.int32), unwindowed.cfg)
 
 
 def test_prefill_and_decode_match_transformers(gemma):

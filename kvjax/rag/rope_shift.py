@@ -17,7 +17,7 @@ class RopeShiftError(ValueError):
 def rotate_keys(k_pre: jnp.ndarray, positions: jnp.ndarray, cfg: ModelConfig, long_rope: bool = False) -> jnp.ndarray:
     """RoPE for pre-RoPE keys `k_pre [..., T, H, D]` at `positions int32[..., T]` (leading axes broadcast
     like a batch), exactly as the model's forward rotates them. Returns the same shape and dtype."""
-    inv_freq, factor = rope_frequencies(cfg, long_rope)
+    inv_freq, factor = _frequencies(cfg, long_rope)
     return _apply(k_pre, positions, inv_freq, factor)
 
 
@@ -31,7 +31,7 @@ def shift_keys(
     `RopeShiftError` when it differs from `long_rope` under LongRoPE, where no delta rotation exists.
     """
     check_shiftable(cfg, long_rope, long_rope if target_long_rope is None else target_long_rope)
-    inv_freq, _ = rope_frequencies(cfg, long_rope)
+    inv_freq, _ = _frequencies(cfg, long_rope)
     return _apply(k, delta, inv_freq, 1.0)
 
 
@@ -46,6 +46,14 @@ def check_shiftable(cfg: ModelConfig, stored_long_rope: bool, target_long_rope: 
             f"{cfg.rope.original_max_position_embeddings}, needs the {want} ones; store chunks pre-RoPE "
             "(ChunkStore(form='pre_rope')) or encode them with the final length's factor set (long_rope=...)"
         )
+
+
+def _frequencies(cfg: ModelConfig, long_rope: bool):
+    """The one RoPE every layer shares; `RopeShiftError` where layers differ (Gemma-3's local and global bases)."""
+    if cfg.per_layer_rope:
+        raise RopeShiftError("this model's layers differ in RoPE (local and global bases, as Gemma-3's): moving "
+                             "cached keys needs one RoPE for every layer")
+    return rope_frequencies(cfg, long_rope)
 
 
 def _apply(x, positions, inv_freq, factor):
