@@ -6,7 +6,8 @@ attention, Quest, the query-agnostic Quest control, SnapKV, Ada-SnapKV, H2O, Str
 small budget, and prints the accuracy table with each policy's decode speed: a few minutes on 2 CPU cores
 (less when JAX's compilation cache is warm). With `--model smollm2-135m` (after `kvjax fetch
 smollm2-135m`) it runs real-text passkey and RULER's single needle instead, with full, Quest, SnapKV,
-Ada-SnapKV, H2O, StreamingLLM and KVzip.
+Ada-SnapKV, H2O, StreamingLLM and KVzip; `--model gemma3-270m` does the same on Gemma-3 270M, whose
+sliding-window layers keep their window under every policy (the policies act on its global layers).
 """
 
 from __future__ import annotations
