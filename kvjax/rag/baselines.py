@@ -40,7 +40,7 @@ def direct_reuse(model: Model, ctx: AssembledContext) -> RagPrefill:
 def project_kv(params, cfg: ModelConfig, dtype, rope, layer: int, x, positions):
     """Layer `layer`'s K and V `[B, n, H, D]` (post-RoPE) for hidden states `x [B, n, E]` at `positions`."""
     p = layer_params(params, layer)
-    h = RMSNorm(cfg.rms_norm_eps, dtype).apply({"params": p["input_layernorm"]}, x)
+    h = RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_offset).apply({"params": p["input_layernorm"]}, x)
 
     def attend(_, inputs, carry):
         return jnp.zeros_like(inputs.q), (inputs.k, inputs.v)  # the output projection is dead code

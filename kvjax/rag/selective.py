@@ -17,7 +17,7 @@ from kvjax.models.rope import rope_frequencies
 
 def embed(params, cfg: ModelConfig, dtype, tokens):
     """Token embeddings `[B, n, E]` of `tokens int32[B, n]`."""
-    return CausalLM(cfg, dtype).apply({"params": params}, tokens, method=lambda m, t: m.embed_tokens(t))
+    return CausalLM(cfg, dtype).apply({"params": params}, tokens, method=CausalLM.embed)
 
 
 def final_logits(params, cfg: ModelConfig, dtype, hidden):
