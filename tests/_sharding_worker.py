@@ -70,6 +70,8 @@ def policy(name: str, cfg: ModelConfig):
         return kvjax.make_policy(
             "compose", evict=policy("snapkv", cfg), select=kvjax.make_policy("quest", token_budget=32, dense_layers=1)
         )
+    if name in ("loki", "key_int4"):  # selecting in layer 1: each shard fits its own heads' sketch
+        return kvjax.make_policy(name, token_budget=32, dense_layers=1)
     return kvjax.make_policy(name, **budget)
 
 

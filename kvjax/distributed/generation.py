@@ -107,16 +107,6 @@ def on_mesh(model: Model, mesh: Mesh, on_indivisible: str = "error") -> tuple[Mo
     return model, _backend(mesh, plan)
 
 
-def refuse_unsharded(policy: Policy | None) -> None:
-    """Raise for a policy whose page metadata the mesh cannot place yet: the key-sketch selectors (`loki`,
-    `key_int4`) fit their sketch from the whole prefilled state, which on a mesh is stacked per shard."""
-    if policy is not None and policy.keeps_key_sketch:
-        raise NotImplementedError(
-            f"policy {policy.name!r} keeps a key sketch, which the sharded path does not place per shard yet; "
-            "run it with kvjax.generate on one device"
-        )
-
-
 def _placed(model: Model, mesh: Mesh, on_indivisible: str) -> tuple[Model, ShardingPlan]:
     if any(model.cfg.windows):
         raise NotImplementedError(
@@ -133,7 +123,6 @@ def prefill_sharded(
     """`kvjax.prefill` on `mesh`. Returns `(stacked state, logits f32[B', V], plan)`; B' is the batch
     padded to a multiple of the data axis (the extra rows copy the first prompt)."""
     policy = policy_or_full(policy)
-    refuse_unsharded(policy)
     model, plan = _placed(model, mesh, on_indivisible)
     rows = _padded_rows(as_token_lists(prompt_ids, model.cfg.vocab_size), plan.data)
     longest = max(len(r) for r in rows)
@@ -166,7 +155,6 @@ def generate_sharded(
     """`kvjax.generate` over a ("data", "model") mesh (`kvjax.distributed.make_mesh`): same arguments
     and results. Heads and the MLP are split over "model", sequences over "data" (see `plan_for` for
     `on_indivisible`); each device keeps the KV pages of its own sequences and heads."""
-    refuse_unsharded(policy)
     model, plan = _placed(model, mesh, on_indivisible)
     given = as_token_lists(prompt_ids, model.cfg.vocab_size)
     result = generate_rows(

@@ -168,7 +168,10 @@ def prefill_row_steps(
         state = score_by_reconstruction(model, state, rows, policy)
     if policy.compresses and policy.chunks is None:
         state = compress_prefilled(model, state, window, policy, [len(r) for r in rows], plan.reserve_tokens, backend)
-    return policy.attach_sketch(state), logits  # a selector's key sketch, fitted on the compressed cache
+    attach = policy.attach_sketch  # a selector's key sketch, fitted on the compressed cache
+    if policy.keeps_key_sketch and backend.placement.sharded:  # per shard: each fits its own heads' keys
+        attach = backend.placement.per_shard(attach, ("state",), "state")
+    return attach(state), logits
 
 
 def run_to_end(steps: Generator):
