@@ -40,8 +40,9 @@ def plan(args) -> list[dict]:
     suite = [python, "-m", "kvjax.eval.suite", "--members", *args.members] + ([] if args.full else ["--quick"])
     device_run, cpu_run = os.path.join(args.out, "device"), os.path.join(args.out, "cpu")
     return [
+        # KVJAX_TEST_REQUIRE=native: the native kernel tests skipping (no GPU or TPU seen) fails the step
         {"name": "kernel tests (native)", "argv": [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
-                                                    *KERNEL_TESTS], "env": {}},
+                                                    *KERNEL_TESTS], "env": {"KVJAX_TEST_REQUIRE": "native"}},
         {"name": "suite on the device", "argv": suite + ["--out", device_run, "--label", "device"], "env": {}},
         {"name": "suite on the CPU", "argv": suite + ["--out", cpu_run, "--label", "cpu"],
          "env": {"JAX_PLATFORMS": "cpu"}},

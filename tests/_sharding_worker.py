@@ -131,13 +131,15 @@ def check_generate(model: Model, mesh_name: str, name: str, on_indivisible="erro
     }
 
 
-def check_matrix(model: Model, mesh_name: str) -> list[dict]:
-    """Every case of the policy matrix (tests/policy_cases.py) on a ragged batch of two, sharded against one
-    device, as `check_generate` compares them."""
+def check_matrix(model: Model, mesh_name: str, case_ids: list[str]) -> list[dict]:
+    """Every case of the policy matrix (tests/policy_cases.py), or those of `case_ids` when given, on a ragged
+    batch of two, sharded against one device, as `check_generate` compares them."""
     from policy_cases import matrix_cases
 
     out = []
     for case in matrix_cases(model.cfg, page_size=16):
+        if case_ids and case.id not in case_ids:
+            continue
         try:
             out.append(check_generate(model, mesh_name, case.id, pol=case.policy, rows=prompts(2)))
         except Exception as error:  # one failing case must not hide the others
@@ -211,6 +213,7 @@ def main(argv=None) -> None:
     parser.add_argument("--train", default="", help="comma list of meshes, e.g. 8x1,2x4")
     parser.add_argument("--indivisible", action="store_true")
     parser.add_argument("--matrix", default="", help="a mesh for every policy matrix case, e.g. 1x2")
+    parser.add_argument("--cases", default="", help="comma list of the matrix's case ids (default: every case)")
     args = parser.parse_args(argv)
     result = {"devices": len(jax.devices()), "jax": jax.__version__, "generate": [], "train": []}
     model = tiny_model()
@@ -226,7 +229,7 @@ def main(argv=None) -> None:
     if args.indivisible:
         result["indivisible"] = check_indivisible()
     if args.matrix:
-        result["matrix"] = check_matrix(model, args.matrix)
+        result["matrix"] = check_matrix(model, args.matrix, list(filter(None, args.cases.split(","))))
     print(json.dumps(result))
 
 

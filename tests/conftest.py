@@ -204,31 +204,47 @@ def _drop_compiled_programs():
 _BACKGROUND: dict[tuple, object] = {}
 
 
-def start_background_runs(module) -> None:
-    """Start every worker run `module` asks for (`BACKGROUND_RUNS`, a tuple of argument tuples;
-    tests/test_sharding.py) that is not running yet, each a separate process."""
-    for args in getattr(module, "BACKGROUND_RUNS", ()):
-        if args not in _BACKGROUND:
+def start_background_runs(module, items) -> None:
+    """Start every worker run `module` asks for (`BACKGROUND_RUNS`: argument tuple -> the fixture or test
+    that takes the run; tests/test_sharding.py) that a selected test of `module` takes and that is not
+    running yet, each a separate process."""
+    names = {name for item in items if getattr(item, "module", None) is module
+             for name in (*getattr(item, "fixturenames", ()), getattr(item, "originalname", None))}
+    for args, taker in getattr(module, "BACKGROUND_RUNS", {}).items():
+        if taker in names and args not in _BACKGROUND:
             _BACKGROUND[args] = module.start_worker(*args)
+
+
+# ------------------------------------------------------------------ the quick suite and the whole set
+
+def run_heavy(config) -> bool:
+    """Whether the `heavy` tests run: KVJAX_TEST_HEAVY=1 (.ci/run), or a `-m` expression that names them."""
+    return os.environ.get("KVJAX_TEST_HEAVY") == "1" or "heavy" in (config.option.markexpr or "")
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k deselection
 def pytest_collection_modifyitems(session, config, items):
-    """Start the background worker runs of the selected modules once collection knows which tests will run,
-    so they overlap with the other tests. `take_background_run` hands a run to its test.
-    KVJAX_TEST_NO_BACKGROUND=1 turns it off. Under pytest-xdist every worker collects every test, so each
-    would start every run: there the module's own fixture starts them (`_background_runs`), in the one
-    worker that runs the module (`--dist loadfile`), all at once, beside one another."""
+    """The quick suite: `python -m pytest` deselects the tests marked `heavy` (a matrix's further cases, long
+    checks) unless `run_heavy` (docs/testing.md). Then start the background worker runs of the selected
+    tests once collection knows which will run, so they overlap with the other tests; `take_background_run`
+    hands a run to its test. KVJAX_TEST_NO_BACKGROUND=1 turns that off. Under pytest-xdist every worker
+    collects every test, so each would start every run: there the module's own fixture starts them
+    (`_background_runs`), in the one worker that runs the module (`--dist loadfile`), beside one another."""
+    if not run_heavy(config):
+        heavy = [item for item in items if item.get_closest_marker("heavy")]
+        if heavy:
+            config.hook.pytest_deselected(items=heavy)
+            items[:] = [item for item in items if not item.get_closest_marker("heavy")]
     if os.environ.get("KVJAX_TEST_NO_BACKGROUND") or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     for module in {item.module for item in items if getattr(item, "module", None) is not None}:
-        start_background_runs(module)
+        start_background_runs(module, items)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _background_runs(request):
     if not os.environ.get("KVJAX_TEST_NO_BACKGROUND"):
-        start_background_runs(request.module)
+        start_background_runs(request.module, request.session.items)
 
 
 def take_background_run(args: tuple):
@@ -238,10 +254,20 @@ def take_background_run(args: tuple):
 
 # ------------------------------------------------------------------ checks CI must not skip
 
-# KVJAX_TEST_REQUIRE="real kvpress" (.ci/run) turns these skips into a failed run: a test that skips because
-# the real model is not fetched, or because kvpress's venv is absent, then fails the session. Each name maps
-# to the words its skip reason carries (tests/test_real_model.py, tests/test_kvpress_crosscheck.py).
-REQUIRED_SKIPS = {"real": "kvjax fetch", "kvpress": "no kvpress venv"}
+# KVJAX_TEST_REQUIRE="real kvpress lowering corpus" (.ci/run) turns these skips into a failed run: a test that
+# skips because the real model is not fetched, kvpress's venv is absent, the installed JAX lacks a Pallas GPU
+# backend (or the private API that simulates a GPU or TPU for lowering), or Debian's licence texts (the default
+# real-text corpus) are missing, then fails the session. `native` (`kvjax bench device` sets it) does the same
+# for the kernels compiled on a GPU or TPU. Each name maps to the words its skip reasons carry
+# (tests/test_real_model.py, tests/test_kvpress_crosscheck.py, the lowering tests' `this JAX has no ...`,
+# tests/test_real_tasks.py, tests/test_kernels_native.py).
+REQUIRED_SKIPS = {
+    "real": ("kvjax fetch",),
+    "kvpress": ("no kvpress venv",),
+    "lowering": ("this JAX has no", "cannot simulate a"),
+    "native": ("native kernels need a GPU or TPU",),
+    "corpus": ("no Debian licence texts",),
+}
 _required_skipped: list[str] = []
 
 
@@ -250,8 +276,14 @@ def _note_required_skip(report) -> None:
         return
     reason = str(report.longrepr)
     for name in os.environ.get("KVJAX_TEST_REQUIRE", "").split():
-        if REQUIRED_SKIPS[name] in reason:
+        if any(words in reason for words in REQUIRED_SKIPS[name]):
             _required_skipped.append(f"{report.nodeid or report.fspath}: {reason}")
+
+
+def pytest_configure(config):
+    unknown = set(os.environ.get("KVJAX_TEST_REQUIRE", "").split()) - set(REQUIRED_SKIPS)
+    if unknown:
+        raise pytest.UsageError(f"KVJAX_TEST_REQUIRE names {sorted(unknown)}; known: {' '.join(REQUIRED_SKIPS)}")
 
 
 def pytest_collectreport(report):

@@ -14,6 +14,10 @@ import kvjax
 from kvjax.policies import POLICY_REGISTRY
 
 BUDGET = 32  # slots per kv head (and layer) a compressed head keeps; Quest's reads
+# The quick suite's representatives, one per role: the full cache (every cover compares with it), a selector,
+# a prefill compressor, an evictor while decoding and a composition. Every module that runs the matrix's cases
+# marks the others `heavy` (`case_param`): `python -m pytest` skips them, KVJAX_TEST_HEAVY=1 (CI) runs them.
+QUICK_CASES = ("full", "quest", "snapkv", "h2o", "compose-snapkv-quest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,3 +71,12 @@ def matrix_cases(cfg, page_size: int = 8) -> list[Case]:
             takes_budget = "token_budget" in entry.option_types({})
             extra.append(Case(name, make(name, **({"token_budget": BUDGET} if takes_budget else {}))))
     return single + composed + extra
+
+
+def case_param(case_id: str, value=None):
+    """`value` (default: the case id) as a pytest parameter with the case's id, marked `heavy` unless the case
+    is one of `QUICK_CASES`."""
+    import pytest
+
+    return pytest.param(case_id if value is None else value, id=case_id,
+                        marks=() if case_id in QUICK_CASES else pytest.mark.heavy)

@@ -12,7 +12,7 @@ import pytest
 import kvjax
 from _sharding_worker import VOCAB, tiny_model
 from kvjax.serving.batch_engine import BatchEngine, row_pages
-from policy_cases import matrix_cases
+from policy_cases import case_param, matrix_cases
 
 PAGE_SIZE, CAPACITY, CHUNK = 8, 128, 32  # one chunk size for every prompt: one prefill program per policy
 CASE_IDS = ["full", "quest", "snapkv", "ada_snapkv", "pyramid", "h2o", "tova", "streaming", "locret",
@@ -66,7 +66,7 @@ def _check_engine(model, policy, sampling=None, steps=4):
     return engine
 
 
-@pytest.mark.parametrize("case_id", CASE_IDS)
+@pytest.mark.parametrize("case_id", [case_param(case_id) for case_id in CASE_IDS])
 def test_engine_equals_generate_per_request(model, cases, case_id):
     engine = _check_engine(model, cases[case_id].policy)
     assert engine.dispatches < sum(n for _, n, _ in REQUESTS)  # rows really shared dispatches

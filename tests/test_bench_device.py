@@ -9,6 +9,7 @@ def test_plan_runs_native_kernel_tests_both_suites_and_compare(tmp_path, capsys)
     assert names == ["kernel tests (native)", "suite on the device", "suite on the CPU", "compare"]
     steps = {s["name"]: s for s in out["steps"]}
     assert "tests/test_kernels_native.py" in steps["kernel tests (native)"]["argv"]
+    assert steps["kernel tests (native)"]["env"] == {"KVJAX_TEST_REQUIRE": "native"}  # a skip there fails it
     assert steps["suite on the CPU"]["env"] == {"JAX_PLATFORMS": "cpu"}
     assert "--quick" in steps["suite on the device"]["argv"]
     compare = steps["compare"]["argv"]

@@ -23,7 +23,9 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 900  # seconds a run may take before its whole process group is killed (~1 minute when idle)
-BACKGROUND_RUNS = (("generate",), ("train",), ("serve",))
+# runs conftest.py starts at collection -> the fixture or test that takes each
+BACKGROUND_RUNS = {("generate",): "generated", ("train",): "trained",
+                   ("serve",): "test_serving_engine_on_a_two_device_mesh_equals_one_device"}
 
 
 def start_worker(kind: str) -> subprocess.Popen:

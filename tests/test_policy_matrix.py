@@ -13,7 +13,8 @@ batch of two prompts through chunked prefill and 64 decode steps, and must:
 - as a composition, keep after prefill exactly what its evicting part keeps alone.
 
 The same shapes serve every case (capacity, chunk, page size), so a case compiles only its own steps. The
-2-device mesh runs the same cases in tests/test_sharding.py (`--matrix`).
+2-device mesh runs the same cases in tests/test_sharding.py (`--matrix`). `python -m pytest` runs
+`policy_cases.QUICK_CASES`; the others are marked `heavy` (KVJAX_TEST_HEAVY=1 runs them, as CI does).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from conftest import random_tokens
 from kvjax.cache.compaction import kept_positions, memory_report
 from kvjax.util.compile_count import count_compiles
 from kvjax.policies import POLICY_REGISTRY
-from policy_cases import BUDGET, matrix_cases
+from policy_cases import BUDGET, QUICK_CASES, case_param, matrix_cases
 from test_state import check_invariants
 
 PAGE, CHUNK, STEPS = 8, 32, 64
@@ -46,7 +47,7 @@ BY_ID = {case.id: case for case in CASES}
 
 
 def _params():
-    return [pytest.param(case, id=case.id) for case in CASES]
+    return [case_param(case.id, case) for case in CASES]
 
 
 def _prompts(lengths, seed):
@@ -168,6 +169,7 @@ def test_policy_matrix(runs, case):
 
 
 def test_every_registered_policy_is_in_the_matrix():
+    assert set(QUICK_CASES) <= set(BY_ID)
     assert set(POLICY_REGISTRY) <= {case.policy.name for case in CASES} | {case.id for case in CASES}
     assert {"compose-locret-quest", "compose-h2o-quest", "compose-tova-quest", "compose-streaming-quest"} <= set(BY_ID)
     assert all(case.policy.name == "compose" for case in CASES if case.part is not None)

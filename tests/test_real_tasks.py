@@ -124,7 +124,8 @@ def test_kvjax_corpus_names_a_directory_of_the_users_text(tmp_path, monkeypatch,
         rt.load_corpus()
 
 
-@pytest.mark.skipif(not os.path.isdir(rt.COMMON_LICENSES_DIR), reason="no Debian licence texts here")
+@pytest.mark.skipif(not os.path.isdir(rt.COMMON_LICENSES_DIR),
+                    reason=f"no Debian licence texts in {rt.COMMON_LICENSES_DIR} (the default real-text corpus)")
 def test_default_corpus_is_the_deduplicated_licences():
     corpus = rt.load_corpus()
     names = [d.name for d in corpus.documents]

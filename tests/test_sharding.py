@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 
+from policy_cases import QUICK_CASES
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sharding_worker.py")
 # one policy per mesh, chosen to cover each shard-crossing path: TOVA averages attention over all heads
 # while decoding, Ada-SnapKV splits a layer's budget across heads at compression, Quest selects per head
@@ -24,11 +26,14 @@ ALL_POLICIES = ["full", "quest", "streaming", "h2o", "tova", "snapkv", "ada_snap
 
 
 RESULTS_ARGS = ("--generate", GENERATE, "--train", "8x1", "--indivisible")
-MATRIX_ARGS = ("--matrix", "1x2")
+MATRIX_ARGS = ("--matrix", "1x2")  # every case (heavy)
+
+
+QUICK_MATRIX_ARGS = MATRIX_ARGS + ("--cases", ",".join(QUICK_CASES))
 # Worker runs conftest.py starts in the background as soon as a test taking them is collected (args -> the
 # fixture that takes the run): each is a separate process that mostly compiles (one core), so they overlap
 # with the rest of the suite.
-BACKGROUND_RUNS = {RESULTS_ARGS: "results", MATRIX_ARGS: "matrix_results"}
+BACKGROUND_RUNS = {RESULTS_ARGS: "results", QUICK_MATRIX_ARGS: "quick_matrix_results", MATRIX_ARGS: "matrix_results"}
 
 
 def start_worker(*args: str) -> subprocess.Popen:
@@ -116,10 +121,15 @@ def test_every_policy_and_replicated_heads():
 
 # --------------------------------------------------------- the policy matrix (tests/policy_cases.py) on 2 devices
 
-def _matrix_params():
+def _matrix_params(quick: bool):
     from test_policy_matrix import CASES
 
-    return [pytest.param(case.id, id=case.id) for case in CASES]
+    return [pytest.param(case.id, id=case.id) for case in CASES if (case.id in QUICK_CASES) == quick]
+
+
+@pytest.fixture(scope="module")
+def quick_matrix_results():
+    return {run["policy"]: run for run in run_worker(*QUICK_MATRIX_ARGS)["matrix"]}
 
 
 @pytest.fixture(scope="module")
@@ -127,14 +137,25 @@ def matrix_results():
     return {run["policy"]: run for run in run_worker(*MATRIX_ARGS)["matrix"]}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case_id", _matrix_params())
-def test_policy_matrix_on_a_two_device_mesh(matrix_results, case_id):
-    """Every matrix case on a 1x2 mesh (kv heads split over 2 devices), ragged batch of 2: the same tokens,
-    logits and kept positions as on one device, and one decode program."""
-    run = matrix_results[case_id]
+def _check_matrix_case(run: dict, case_id: str) -> None:
     assert "error" not in run, run.get("error")
     _check_generation(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", _matrix_params(quick=True))
+def test_policy_matrix_on_a_two_device_mesh(quick_matrix_results, case_id):
+    """The quick suite's matrix cases (policy_cases.QUICK_CASES) on a 1x2 mesh (kv heads split over 2
+    devices), ragged batch of 2: the same tokens, logits and kept positions as on one device, and one decode
+    program."""
+    _check_matrix_case(quick_matrix_results[case_id], case_id)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("case_id", _matrix_params(quick=False))
+def test_policy_matrix_on_a_two_device_mesh_every_case(matrix_results, case_id):
+    """The matrix's other cases on the same 1x2 mesh, as above (one worker runs every case)."""
+    _check_matrix_case(matrix_results[case_id], case_id)
 
 
 # ------------------------------------------------------------------ in-process (one device is enough)

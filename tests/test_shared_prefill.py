@@ -17,7 +17,7 @@ from conftest import random_tokens
 from kvjax.cache.compaction import kept_positions
 from kvjax.engine.generation import continue_rows
 from kvjax.engine.shared_prefill import capture_for, derive, shared_prefill
-from policy_cases import matrix_cases
+from policy_cases import case_param, matrix_cases
 
 PAGE, CHUNK = 8, 32
 CONTEXT_LENGTHS = (77, 50)
@@ -51,7 +51,7 @@ def test_capture_gathers_for_every_policy():
     assert capture.window == max(c.policy.window_size for c in CASES if c.policy.compresses) > 1
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+@pytest.mark.parametrize("case", [case_param(c.id, c) for c in CASES])
 def test_derived_equals_own_prefill(shared, case):
     model, contexts, questions, prefilled = shared
     policy = case.policy
