@@ -11,8 +11,9 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache.attention import attention_column_sums, blocked_paged_attention, decode_attention, read_slots
-from kvjax.cache.compaction import compact_layer, evict_one_slot
+from kvjax.cache.attention import attention_column_sums, blocked_paged_attention
+from kvjax.cache.compaction import compact_layer
+from kvjax.engine.decode import SLOT_FIELDS, VIEW_LAYOUTS, decode_forward, decode_plans, layer_view, page_view
 from kvjax.models.config import ModelConfig
 from kvjax.models import CausalLM, Segment, segments_by
 from kvjax.policies import LayerView, Policy
@@ -34,30 +35,6 @@ LayerAttend = Callable[[Any, Any, KVState, Any], tuple[jax.Array, KVState, Any]]
 # ------------------------------------------------------------------------------------------- per layer
 
 
-def layer_view(state: KVState, layer, num_layers: int, next_position, **extra) -> LayerView:
-    """One layer's cache as a policy sees it (`LayerView`: `[B, H, S]` slots in logical order); `layer`
-    may be traced (the state's read bound must then be the same for every layer, `KVState.for_layers`)."""
-    k, _, slot_pos, valid = gather_layer(state, layer)
-    P = state.layer_read_pages(layer)
-    score = state.slot_score[jnp.clip(state.page_table[layer, :, :, :P], 0, state.num_pages - 1)]
-    return LayerView(
-        layer=layer, num_layers=num_layers, k=k, slot_pos=slot_pos, valid=valid,
-        slot_score=score.reshape(slot_pos.shape), lengths=state.lengths[layer], next_position=next_position,
-        **extra,
-    )
-
-
-def page_view(state: KVState, layer, num_layers: int, q) -> LayerView:
-    """What a page-selecting policy reads at a decode step: the query `q [B, Hq, D]` and the layer's page
-    metadata (the table up to its read bound, the pool's key min/max), no slot gathered."""
-    P = state.layer_read_pages(layer)
-    return LayerView(
-        layer=layer, num_layers=num_layers, lengths=state.lengths[layer], q=q,
-        page_table=state.page_table[layer, :, :, :P], kmin=state.kmin, kmax=state.kmax, page_size=state.page_size,
-        k_pages=state.k_pages, key_sketch=state.key_sketch,
-    )
-
-
 def layer_segments(policy: Policy, state: KVState, num_layers: int, windows: tuple = ()) -> tuple[tuple[int, int], ...]:
     """Runs `(start, stop)` of layers the step treats alike at trace time: whether `policy` compresses them,
     whether it selects pages in them, how many pages they read and their sliding window (`windows`, the
@@ -71,68 +48,32 @@ def layer_segments(policy: Policy, state: KVState, num_layers: int, windows: tup
     )
 
 
-def append_and_attend(
-    state: KVState, layer, q, k, v, positions, num_new, *, policy: Policy, decoding: bool, selects: bool = False,
-    accumulate: bool = False, evict: bool = False, score=None, num_layers: int = 0, next_position=None,
-):
-    """One layer of an append step on one state (a whole state, or one shard's): write the chunk's k/v
-    `[B, C, H, D]` at `positions int32[B, C]` (the first `num_new[b]` real), then attend with `q [B, C, Hq, D]`,
-    through the policy's page selection when decoding in a layer where it `selects`. `score f32[B, C, H]`
-    becomes the new slots' `slot_score`.
-
-    Attention always runs through the blocked or kernel paths; what a policy needs of the probabilities is
-    rebuilt from their row statistics. With `accumulate` (H2O) each slot's attention from the chunk's real
-    queries (summed over the group) is added to `slot_score`: prefill sums it block by block
-    (`attention_column_sums`), decode from the step's `LayerView.probs`. With `evict` (a decode step of
-    a policy evicting while decoding) the layer's `LayerView` after the step is returned, carrying the
-    query, the kernel's row max and sum and the slots read, for `decode_scores`.
-    Returns `(state, out [B, C, Hq, D], view or None)`."""
+def append_and_attend(state: KVState, layer, q, k, v, positions, num_new, *, policy: Policy, accumulate: bool = False,
+                      score=None):
+    """One layer of a prefill chunk on one state (a whole state, or one shard's): write the chunk's k/v
+    `[B, C, H, D]` at `positions int32[B, C]` (the first `num_new[b]` real), then attend with `q [B, C, Hq, D]`
+    (`blocked_paged_attention`). `score f32[B, C, H]` becomes the new slots' `slot_score`. With `accumulate`
+    (H2O) each slot's attention from the chunk's real queries (summed over the group) is added to
+    `slot_score`, block by block (`attention_column_sums`). Returns `(state, out [B, C, Hq, D])`."""
     sketch = None
     if state.key_sketch is not None and policy.keeps_key_sketch:  # a selector's per-slot key sketch
         sketch = policy.sketch_keys(state.key_sketch, layer, k)
     state = append_to_layer(state, layer, k, v, positions, num_new, score=score, sketch=sketch)
-    if not decoding:
-        if not accumulate:
-            return state, blocked_paged_attention(q, positions, state, layer), None
-        out, row_max, row_sum = blocked_paged_attention(q, positions, state, layer, return_stats=True)
-        real = jnp.arange(q.shape[1])[None, :] < num_new[:, None]
-        sums = attention_column_sums(q, positions, state, layer, row_max, row_sum, real)
-        return add_slot_scores(state, layer, sums), out, None
-    selected = policy.select_pages(page_view(state, layer, num_layers, q[:, 0])) if selects else None
-    if not (accumulate or evict):
-        slots = getattr(policy, "selects_slots", False)  # a selection of single slots (the token oracle)
-        return state, decode_attention(q, state, layer, selected, slots=slots), None
-    out, row_max, row_sum = decode_attention(q, state, layer, selected, return_stats=True)
-    read = None
-    if selected is not None:
-        read = read_slots(selected, state.lengths[layer], state.page_size, state.layer_read_pages(layer))
-    view = layer_view(state, layer, num_layers, next_position, q=q[:, 0], row_max=row_max, row_sum=row_sum, read=read)
-    if accumulate:
-        delta = view.probs.sum(axis=2) * (num_new > 0)[:, None, None]  # [B, H, S]
-        state = add_slot_scores(state, layer, delta)
-        view = view._replace(slot_score=view.slot_score + delta)
-    return state, out, view if evict else None
+    if not accumulate:
+        return state, blocked_paged_attention(q, positions, state, layer)
+    out, row_max, row_sum = blocked_paged_attention(q, positions, state, layer, return_stats=True)
+    real = jnp.arange(q.shape[1])[None, :] < num_new[:, None]
+    sums = attention_column_sums(q, positions, state, layer, row_max, row_sum, real)
+    return add_slot_scores(state, layer, sums), out
 
 
-def append_and_attend_window(state: KVState, layer, q, k, v, positions, num_new, *, window: int, decoding: bool,
-                             next_position):
-    """One layer of an append step in a layer with a sliding window of `window` tokens (a query at p sees
-    p - window + 1 .. p). Before the step the layer holds at most the `window - 1` tokens the chunk's first
-    query can see; after it, again only those the next token's query can see, so a windowed layer never
-    holds more than `window - 1 + C` slots and frees its pages as the window moves (Jenga's point).
-
-    A prefill chunk attends with the window mask (`blocked_paged_attention`) and is then compacted to the
-    tokens after `next_position - window` (`compact_layer`, pages freed). A decode step attends through the
-    kernels over every slot (exactly the window) and then drops each head's oldest slot when it holds a
-    whole window (`evict_one_slot`: a hole the next token fills). No policy acts in a windowed layer.
-    Shapes as `append_and_attend`; returns `(state, out [B, C, Hq, D])`."""
+def append_and_attend_window(state: KVState, layer, q, k, v, positions, num_new, *, window: int, next_position):
+    """One layer of a prefill chunk in a layer with a sliding window of `window` tokens (a query at p sees
+    p - window + 1 .. p): attend with the window mask (`blocked_paged_attention`), then compact the layer
+    to the tokens after `next_position - window` (`compact_layer`, pages freed), so a windowed layer never
+    holds more than `window - 1 + C` slots (Jenga's point; a decode step's own rule is
+    `kvjax.engine.decode.attend_in_window`). Shapes as `append_and_attend`; returns `(state, out)`."""
     state = append_to_layer(state, layer, k, v, positions, num_new)
-    if decoding:
-        out = decode_attention(q, state, layer)
-        keys, _, slot_pos, valid = gather_layer(state, layer)  # [B, H, S, D], [B, H, S]
-        oldest = jnp.argmin(jnp.where(valid, slot_pos, jnp.iinfo(jnp.int32).max), axis=-1).astype(jnp.int32)
-        full = state.lengths[layer] - (state.hole[layer] >= 0) >= window  # [B, H]
-        return evict_one_slot(state, layer, oldest, full, keys), out
     out = blocked_paged_attention(q, positions, state, layer, window=window)
     _, _, slot_pos, valid = gather_layer(state, layer)  # [B, H, S]
     keep = valid & (slot_pos > next_position[:, None, None] - window)  # at most window - 1 positions
@@ -142,36 +83,18 @@ def append_and_attend_window(state: KVState, layer, q, k, v, positions, num_new,
     return state.replace(hole=state.hole.at[layer].set(-1)), out
 
 
-class LayerRoles(NamedTuple):
-    """What a step does in a segment of layers, from the policy's roles (static)."""
+class PrefillRoles(NamedTuple):
+    """What a prefill chunk does in a segment of layers, from the policy's roles (static)."""
 
-    selects: bool  # decode reads the pages `select_pages` chooses
     accumulate: bool  # every query's attention is added to slot_score (H2O)
-    evict: bool  # a decode step drops a slot of each head over the decode budget
     chunks: Any  # the chunk schedule whose per-token scores the appended slots take (Locret's prefill)
 
 
-def layer_roles(policy: Policy, layer: int, decoding: bool) -> LayerRoles:
-    """The roles the policy plays in `layer` (a plain int: the first of its segment) in a prefill chunk or
-    a decode step."""
+def prefill_roles(policy: Policy, layer: int) -> PrefillRoles:
+    """The roles the policy plays in `layer` (a plain int: the first of its segment) in a prefill chunk."""
     compressed = policy.compresses and policy.compresses_layer(layer)
-    return LayerRoles(
-        selects=decoding and policy.selects_pages(layer),
-        accumulate=compressed and policy.accumulates_attention,
-        evict=compressed and decoding and policy.evicts_while_decoding,
-        chunks=policy.chunks if compressed and not decoding else None,
-    )
-
-
-def decode_victim(policy: Policy, view: LayerView) -> jax.Array:
-    """int32[B, H]: each head's lowest-scoring valid slot after a decode step (policies evicting while decoding)."""
-    scores = jnp.where(view.valid, policy.decode_scores(view), jnp.inf)
-    return jnp.argmin(scores, axis=-1).astype(jnp.int32)
-
-
-def over_decode_budget(state: KVState, layer, policy: Policy) -> jax.Array:
-    """bool[B, H]: heads holding more than the policy's decode budget (a pending hole does not count)."""
-    return state.lengths[layer] - (state.hole[layer] >= 0) > policy.decode_budget
+    return PrefillRoles(accumulate=compressed and policy.accumulates_attention,
+                        chunks=policy.chunks if compressed else None)
 
 
 # ------------------------------------------------------------------------------------- window carry
@@ -243,12 +166,9 @@ def scan_layers(body: Callable[[Any, Any], Any], carry, start: int, stop: int):
 
 # ------------------------------------------------------------------------------------------ placement
 
-# Layouts of the arrays the step hands to its page work, one letter per axis: b batch rows, h heads (kv or
-# query), c chunk tokens, s slots, d head dim; "" a scalar, "state" a whole KVState. One device ignores them;
-# a mesh (`kvjax.distributed`) splits b over "data" and h over "model".
-VIEW_LAYOUTS = {"k": "bhsd", "slot_pos": "bhs", "valid": "bhs", "slot_score": "bhs", "lengths": "bh", "q": "bhd",
-                "row_max": "bh", "row_sum": "bh", "read": "bhsd"}
-SLOT_FIELDS = ("k", "slot_pos", "valid", "slot_score", "lengths")  # a LayerView's [B, H, ...] slot arrays
+# The arrays the steps hand to their page work carry layouts, one letter per axis (b batch rows, h heads,
+# c chunk tokens, s slots, d head dim; "" a scalar, "state" a whole KVState; `kvjax.engine.decode.VIEW_LAYOUTS`).
+# One device ignores them; a mesh (`kvjax.distributed`) splits b over "data" and h over "model".
 # KVState fields `allocate_for_append` changes besides `overflow` (restored when another shard failed)
 _ALLOCATION_FIELDS = ("page_table", "num_free", "refcount", "kmin", "kmax", "slot_pos", "slot_score")
 
@@ -295,10 +215,6 @@ def _view_parts(state: KVState, layer, next_position, *, num_layers: int) -> dic
     return {name: getattr(view, name) for name in SLOT_FIELDS}
 
 
-def _evict(state: KVState, layer, victim, keys, *, policy: Policy) -> KVState:
-    return evict_one_slot(state, layer, victim, over_decode_budget(state, layer, policy), keys)
-
-
 # ---------------------------------------------------------------------------------------------- steps
 
 
@@ -315,8 +231,9 @@ def append_step(
     policy's chunk schedule (`policy.chunks.params`, Locret's heads) in prefill, else None. `placement`:
     where the state lives (`OneDevice`, or a mesh's stacked state, `kvjax.distributed.MeshPlacement`).
 
-    C = 1 is a decode step: the policy's page selection and decode-time eviction apply. Returns the state,
-    the window carry and logits `f32[B, V]` at each row's last real token.
+    One token per row with no prefill carry is a decode step (`kvjax.engine.decode`: the policy's page
+    selection and decode-time eviction apply); anything else a prefill chunk. Returns the state, the window
+    carry and logits `f32[B, V]` at each row's last real token.
 
     `observe(layer, inputs, state, observed) -> observed` (one device) sees each layer's `AttentionInputs`
     and its state after the append, and updates the caller's carry `observed` (arrays with a leading `[L]`
@@ -324,56 +241,43 @@ def append_step(
     record their features and score the answer this way, through the same step as generation.
     """
     B, C = tokens.shape
-    decoding = C == 1
     on_shards = placement.per_shard
-    positions = placement.next_position(state)[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     allocate = functools.partial(_allocate, C=C, placement=placement)
     state, num_new = on_shards(allocate, ("state", "b"), ("state", "b"))(state, num_new)
     seen = placement.next_position(state) + num_new
+    if C == 1 and window is None and observe is None:
+        plans = decode_plans(policy, layer_segments(policy, state, cfg.num_layers, cfg.windows), cfg.windows)
+        state, logits = decode_forward(params, state, tokens, num_new, seen, plans, cfg=cfg, dtype=dtype, policy=policy,
+                                       placement=placement, rope=rope_frequencies(cfg, state.long_rope))
+        logits = jnp.where((num_new > 0)[:, None], logits, last_logits)
+        return placement.with_next_position(state, seen), window, logits
+    positions = placement.next_position(state)[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     chunk = ("bchd", "bchd", "bchd", "bc", "b", "b")  # q, k, v, positions, num_new, seen
 
     def attend_for(start: int, stop: int) -> LayerAttend:
-        roles = layer_roles(policy, start, decoding)
+        roles = prefill_roles(policy, start)
         sliding = cfg.windows[start]
-        # the view a decode-time eviction decides on: slots, and the step's attention statistics
-        fields = SLOT_FIELDS + ("q", "row_max", "row_sum") + (("read",) if roles.selects else ()) if roles.evict else ()
 
         def in_window(st, layer, q, k, v, pos, n, next_position):
-            return append_and_attend_window(st, layer, q, k, v, pos, n, window=sliding, decoding=decoding,
-                                            next_position=next_position)
+            return append_and_attend_window(st, layer, q, k, v, pos, n, window=sliding, next_position=next_position)
 
         # the traced layer index enters a shard as an argument, not by closure
         def local(st, layer, q, k, v, pos, n, next_position, score=None):
-            st, out, view = append_and_attend(
-                st, layer, q, k, v, pos, n, policy=policy, decoding=decoding, selects=roles.selects,
-                accumulate=roles.accumulate, evict=roles.evict, score=score, num_layers=cfg.num_layers,
-                next_position=next_position,
-            )
-            return st, out, {name: getattr(view, name) for name in fields}
+            return append_and_attend(st, layer, q, k, v, pos, n, policy=policy, accumulate=roles.accumulate,
+                                     score=score)
 
         def attend(layer, inputs, state, observed):
-            out, state = attend_layer(layer, inputs, state)
+            args = (state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, seen)
+            layouts = ("state", "") + chunk
+            if sliding:
+                state, out = on_shards(in_window, layouts, ("state", "bchd"))(*args)
+            else:
+                if roles.chunks is not None:  # a per-token score (Locret's heads read every head's features)
+                    args, layouts = args + (roles.chunks.score(layer, inputs, policy_params),), layouts + ("bch",)
+                state, out = on_shards(local, layouts, ("state", "bchd"))(*args)
             if observe is not None:
                 observed = observe(layer, inputs, state, observed)
             return out, state, observed
-
-        def attend_layer(layer, inputs, state):
-            args = (state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, seen)
-            if sliding:
-                state, out = on_shards(in_window, ("state", "") + chunk, ("state", "bchd"))(*args)
-                return out, state
-            layouts = ("state", "") + chunk
-            if roles.chunks is not None:  # a per-token score (Locret's heads read every head's features)
-                args, layouts = args + (roles.chunks.score(layer, inputs, policy_params),), layouts + ("bch",)
-            out_layouts = ("state", "bchd", {name: VIEW_LAYOUTS[name] for name in fields})
-            state, out, parts = on_shards(local, layouts, out_layouts)(*args)
-            if roles.evict:
-                view = LayerView(layer=layer, num_layers=cfg.num_layers, next_position=seen, **parts)
-                evict = functools.partial(_evict, policy=policy)
-                state = on_shards(evict, ("state", "", "bh", "bhsd"), "state")(
-                    state, layer, decode_victim(policy, view), view.k
-                )
-            return out, state
 
         return attend
 
@@ -458,7 +362,7 @@ LOCAL_BACKEND = StepBackend(local_state, append_step, compress_step, overflow_er
 
 __all__ = [
     "LOCAL_BACKEND",
-    "LayerRoles",
+    "PrefillRoles",
     "ONE_DEVICE",
     "OneDevice",
     "SLOT_FIELDS",
@@ -470,15 +374,13 @@ __all__ = [
     "compress_segments",
     "compress_step",
     "compressed_layer",
-    "decode_victim",
     "forward_chunk",
     "keep_last",
-    "layer_roles",
+    "prefill_roles",
     "layer_segments",
     "layer_view",
     "local_state",
     "new_window",
-    "over_decode_budget",
     "page_view",
     "scan_layers",
 ]

@@ -370,24 +370,64 @@ def apply_layers(layers, cfg: ModelConfig, dtype, x, positions, rope, attend: At
 
 def _per_layer_segment(module: DecoderLayer, layers: Sequence[Any], seg: Segment, x, positions, rope, carry):
     """One segment over per-layer parameter trees, no weight sliced or copied: a scan over the segment's
-    layers whose body runs `attend` once (the traced layer index) and picks the layer's weights with a
-    `lax.switch` on either side of it (each branch reads its own layer's arrays in place). The attention,
-    the large part of a step's program, is compiled once per segment as with stacked parameters; only the
-    projections and the MLP are compiled per layer."""
+    layers whose body runs `attend` once (the traced layer index) between the layer's two halves
+    (`layer_inputs`, `layer_output`). The attention, the large part of a step's program, is compiled once
+    per segment as with stacked parameters; only the projections and the MLP are compiled per layer."""
     if seg.stop - seg.start == 1:
         return module.apply({"params": layers[seg.start]}, x, seg.start, positions, rope, seg.attend, carry)
-    params = layers[seg.start : seg.stop]
-    # one jitted half per side, called by every branch: traced once, not once per layer (XLA inlines it)
-    before = jax.jit(lambda p, h, positions, layer: module.apply(
-        {"params": p}, h, positions, rope, layer, method=DecoderLayer.attention_inputs))
-    after = jax.jit(lambda p, h, out: module.apply({"params": p}, h, out, method=DecoderLayer.after_attention))
+    cfg, dtype = module.cfg, module.dtype
 
     def body(xc, layer):
         h, c = xc
-        index = layer - seg.start
-        inputs = jax.lax.switch(index, [lambda h, p=p: before(p, h, positions, layer) for p in params], h)
+        inputs = layer_inputs(layers, layer, cfg, dtype, h, positions, rope, first=seg.start, stop=seg.stop)
         out, c = seg.attend(layer, inputs, c)
-        return (jax.lax.switch(index, [lambda h, out, p=p: after(p, h, out) for p in params], h, out), c), None
+        return (layer_output(layers, layer, cfg, dtype, h, out, first=seg.start, stop=seg.stop), c), None
 
     (x, carry), _ = jax.lax.scan(body, (x, carry), jnp.arange(seg.start, seg.stop, dtype=jnp.int32))
     return x, carry
+
+
+# ------------------------------------------------------------------ the model's pieces, for a caller's loop
+
+
+def embed(params, cfg: ModelConfig, dtype, tokens):
+    """Token embeddings `[B, T, E]` of `tokens int32[B, T]`."""
+    return CausalLM(cfg, dtype).apply({"params": params}, tokens, method=CausalLM.embed)
+
+
+def final_logits(params, cfg: ModelConfig, dtype, hidden):
+    """Final norm and vocabulary logits `f32[..., V]` of hidden states `[..., E]`."""
+    return CausalLM(cfg, dtype).apply({"params": params}, hidden, method=lambda m, h: m.logits(m.norm(h)))
+
+
+def layer_inputs(layers, layer, cfg: ModelConfig, dtype, x, positions, rope, *, first: int = 0,
+                 stop: int | None = None) -> AttentionInputs:
+    """Layer `layer`'s first half over hidden states `x [B, T, E]` at `positions int32[B, T]`: input norm,
+    q/k/v projections and RoPE (`AttentionInputs`). `layers` is `params["layers"]`; `layer` a Python int,
+    or traced within `first .. stop - 1` (per-layer trees: a `lax.switch` whose branches read each layer's
+    weights in place)."""
+    rope = layer_rope(rope, layer)  # this layer's row where layers differ (Gemma-3), else the shared pair
+
+    def inputs(module, x, positions):  # the RoPE stays closed over (static where layers share it)
+        return module.attention_inputs(x, positions, rope)
+
+    return _at_layer(layers, layer, first, stop, cfg, dtype, inputs, x, positions)
+
+
+def layer_output(layers, layer, cfg: ModelConfig, dtype, x, out, *, first: int = 0, stop: int | None = None):
+    """Layer `layer`'s second half: the residual stream `x [B, T, E]` after the layer, given the attention
+    output `out [B, T, Hq, D]` (o_proj, residual, MLP). `layer` as in `layer_inputs`."""
+    return _at_layer(layers, layer, first, stop, cfg, dtype, DecoderLayer.after_attention, x, out)
+
+
+def _at_layer(layers, layer, first, stop, cfg, dtype, method, *args):
+    module = DecoderLayer(cfg, dtype, parent=None)
+    if not is_unstacked(layers):
+        return module.apply({"params": jax.tree.map(lambda w: w[layer], layers)}, *args, method=method)
+    if isinstance(layer, int):
+        return module.apply({"params": layers[layer]}, *args, method=method)
+    stop = len(layers) if stop is None else stop
+    # one jitted half, called by every branch: traced once, not once per layer (XLA inlines it)
+    half = jax.jit(lambda p, *a: module.apply({"params": p}, *a, method=method))
+    branches = [functools.partial(half, p) for p in layers[first:stop]]
+    return jax.lax.switch(layer - first, branches, *args)

@@ -212,6 +212,7 @@ class Policy:
         raise NotImplementedError
 
     keeps_key_sketch: ClassVar[bool] = False  # a per-slot key sketch besides Quest's min/max (key_sketch.py)
+    selects_slots: ClassVar[bool] = False  # `select_pages` lists single slots, not pages (the token oracle)
 
     def attach_sketch(self, state: Any) -> Any:
         """The `KVState` with the selector's key sketch fitted and written for every slot, after prefill
@@ -241,7 +242,7 @@ class Policy:
 ROLE_MEMBERS: dict[str, tuple[str, ...]] = {
     "compress": ("compresses", "accumulates_attention", "window_size", "chunks", "scoring_pass", "kept_bound",
                  "compresses_layer", "compress_layer", "slots_needed"),
-    "select": ("selects_pages", "select_pages", "keeps_key_sketch", "attach_sketch", "sketch_keys"),
+    "select": ("selects_pages", "select_pages", "selects_slots", "keeps_key_sketch", "attach_sketch", "sketch_keys"),
     "evict": ("evicts_while_decoding", "decode_budget", "decode_scores"),
 }
 

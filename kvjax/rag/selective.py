@@ -10,19 +10,9 @@ import jax.numpy as jnp
 from kvjax.cache.attention import paged_attention
 from kvjax.cache.state import KVState, write_slots
 from kvjax.models.config import ModelConfig
-from kvjax.models import CausalLM, layer_params
-from kvjax.models.transformer import DecoderLayer
+from kvjax.models import layer_params
+from kvjax.models.transformer import DecoderLayer, embed, final_logits
 from kvjax.models.rope import rope_frequencies
-
-
-def embed(params, cfg: ModelConfig, dtype, tokens):
-    """Token embeddings `[B, n, E]` of `tokens int32[B, n]`."""
-    return CausalLM(cfg, dtype).apply({"params": params}, tokens, method=CausalLM.embed)
-
-
-def final_logits(params, cfg: ModelConfig, dtype, hidden):
-    """Final norm and vocabulary logits `f32[..., V]` of hidden states `[..., E]`."""
-    return CausalLM(cfg, dtype).apply({"params": params}, hidden, method=lambda m, h: m.logits(m.norm(h)))
 
 
 def layer_step(params, cfg: ModelConfig, dtype, rope, layer: int, x, slots, positions, state: KVState,

@@ -1,0 +1,166 @@
+"""A decode step as a loop over layers the engine drives: each layer reads top to bottom (write, select,
+attend, score/evict) between the model's two halves; the model never calls back into the engine.
+
+Notes: docs/modules.md (`kvjax/engine/decode.py`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache.attention import decode_attention, read_slots
+from kvjax.cache.compaction import evict_one_slot
+from kvjax.cache.state import KVState, add_slot_scores, append_to_layer, gather_layer
+from kvjax.models.config import ModelConfig
+from kvjax.models.transformer import embed, final_logits, layer_inputs, layer_output
+from kvjax.policies import LayerView, Policy
+
+
+class DecodePlan(NamedTuple):
+    """What a decode step does in layers `start .. stop - 1` (static, derived once from the policy's roles)."""
+
+    start: int
+    stop: int
+    sliding: int  # the layers' sliding window (0: none; no policy acts there)
+    selects: bool  # read only the pages the policy's selector chooses
+    accumulate: bool  # add each slot's attention to its score (H2O)
+    evict: bool  # drop a slot of each head over the decode budget
+    view_fields: tuple  # the `LayerView` fields a decode-time evictor decides on
+
+
+# the fields of a decode-time evictor's view, per slot `[B, H, ...]`, and the step's attention statistics
+SLOT_FIELDS = ("k", "slot_pos", "valid", "slot_score", "lengths")
+STAT_FIELDS = ("q", "row_max", "row_sum")
+# their layouts, one letter per axis (b batch rows, h heads, s slots, d head dim), for a mesh's shards
+VIEW_LAYOUTS = {"k": "bhsd", "slot_pos": "bhs", "valid": "bhs", "slot_score": "bhs", "lengths": "bh", "q": "bhd",
+                "row_max": "bh", "row_sum": "bh", "read": "bhsd"}
+STEP_LAYOUTS = ("state", "", "bchd", "bchd", "bchd", "bc", "b")  # state, layer, q, k, v, positions, num_new
+
+
+def decode_plans(policy: Policy, segments, windows: tuple) -> tuple[DecodePlan, ...]:
+    """One `DecodePlan` per run of alike layers (`segments`, `engine.step.layer_segments`)."""
+    plans = []
+    for start, stop in segments:
+        sliding = windows[start] if windows else 0
+        compressed = policy.compresses and policy.compresses_layer(start) and not sliding
+        evict = compressed and policy.evicts_while_decoding
+        selects = policy.selects_pages(start) and not sliding
+        fields = SLOT_FIELDS + STAT_FIELDS + (("read",) if selects else ()) if evict else ()
+        plans.append(DecodePlan(start, stop, sliding, selects, compressed and policy.accumulates_attention, evict,
+                                fields))
+    return tuple(plans)
+
+
+def decode_forward(params, state: KVState, tokens, num_new, seen, plans, *, cfg: ModelConfig, dtype,
+                   policy: Policy, placement, rope) -> tuple[KVState, jax.Array]:
+    """The model over one token per row `tokens int32[B, 1]` (rows with `num_new` 0 write nothing) whose
+    pages are allocated: embed, each plan's layers (`decode_layer`, scanned), final norm and logits.
+    Returns `(state, logits f32[B, V])`."""
+    positions = placement.next_position(state)[:, None]
+    x = embed(params, cfg, dtype, tokens)
+    layers = params["layers"]
+    for plan in plans:
+
+        def body(carry, layer, plan=plan):
+            x, state = carry
+            x, new = decode_layer(layers, layer, x, state.for_layers(plan.start, plan.stop), positions, num_new, seen,
+                                  plan, cfg=cfg, dtype=dtype, policy=policy, placement=placement, rope=rope)
+            return (x, new.replace(read_pages=state.read_pages)), None
+
+        if plan.stop - plan.start == 1:
+            (x, state), _ = body((x, state), plan.start)
+        else:
+            (x, state), _ = jax.lax.scan(body, (x, state), jnp.arange(plan.start, plan.stop, dtype=jnp.int32))
+    return state, final_logits(params, cfg, dtype, x[:, 0])
+
+
+def decode_layer(layers, layer, x, state: KVState, positions, num_new, seen, plan: DecodePlan, *, cfg: ModelConfig,
+                 dtype, policy: Policy, placement, rope) -> tuple[jax.Array, KVState]:
+    """One layer of a decode step, `x [B, 1, E]` -> `(x, state)`: the model's first half (norm, q/k/v,
+    RoPE), then on the layer's pages write the new k/v, select pages, attend; then evict over budget; then
+    the model's second half (o_proj, MLP)."""
+    inputs = layer_inputs(layers, layer, cfg, dtype, x, positions, rope, first=plan.start, stop=plan.stop)
+    on_pages = functools.partial(attend_in_window if plan.sliding else write_select_attend, policy=policy, plan=plan,
+                                 num_layers=cfg.num_layers)
+    out_layouts = ("state", "bchd", {name: VIEW_LAYOUTS[name] for name in plan.view_fields})
+    state, out, parts = placement.per_shard(on_pages, STEP_LAYOUTS, out_layouts)(
+        state, layer, inputs.q, inputs.k, inputs.v, positions, num_new)
+    if plan.evict:
+        view = LayerView(layer=layer, num_layers=cfg.num_layers, next_position=seen, **parts)
+        victim = jnp.argmin(jnp.where(view.valid, policy.decode_scores(view), jnp.inf), axis=-1).astype(jnp.int32)
+        evict = functools.partial(evict_over_budget, budget=policy.decode_budget)
+        state = placement.per_shard(evict, ("state", "", "bh", "bhsd"), "state")(state, layer, victim, view.k)
+    return layer_output(layers, layer, cfg, dtype, x, out, first=plan.start, stop=plan.stop), state
+
+
+def write_select_attend(state: KVState, layer, q, k, v, positions, num_new, *, policy: Policy, plan: DecodePlan,
+                        num_layers: int):
+    """On one state (or one shard's): write the token's k/v `[B, 1, H, D]`, choose the pages to read, attend
+    with `q [B, 1, Hq, D]`. Returns `(state, out [B, 1, Hq, D], the plan's view fields)`."""
+    sketch = policy.sketch_keys(state.key_sketch, layer, k) if state.key_sketch is not None and policy.keeps_key_sketch else None
+    state = append_to_layer(state, layer, k, v, positions, num_new, sketch=sketch)
+    pages = policy.select_pages(page_view(state, layer, num_layers, q[:, 0])) if plan.selects else None
+    if not (plan.accumulate or plan.evict):
+        return state, decode_attention(q, state, layer, pages, slots=policy.selects_slots), {}
+    out, row_max, row_sum = decode_attention(q, state, layer, pages, return_stats=True)
+    read = None if pages is None else read_slots(pages, state.lengths[layer], state.page_size,
+                                                 state.layer_read_pages(layer))
+    view = layer_view(state, layer, num_layers, None, q=q[:, 0], row_max=row_max, row_sum=row_sum, read=read)
+    if plan.accumulate:  # H2O: every query's attention, summed over the group, adds to the slot's score
+        delta = view.probs.sum(axis=2) * (num_new > 0)[:, None, None]  # [B, H, S]
+        state = add_slot_scores(state, layer, delta)
+        view = view._replace(slot_score=view.slot_score + delta)
+    return state, out, {name: getattr(view, name) for name in plan.view_fields}
+
+
+def attend_in_window(state: KVState, layer, q, k, v, positions, num_new, *, policy: Policy, plan: DecodePlan,
+                     num_layers: int):
+    """A decode step in a sliding-window layer of `plan.sliding` tokens: write, attend over every slot
+    (exactly the window), then drop each head's oldest slot once it holds a whole window (a hole the next
+    token fills), so the layer frees its pages as the window moves. Shapes as `write_select_attend`."""
+    state = append_to_layer(state, layer, k, v, positions, num_new)
+    out = decode_attention(q, state, layer)
+    keys, _, slot_pos, valid = gather_layer(state, layer)  # [B, H, S, D], [B, H, S]
+    oldest = jnp.argmin(jnp.where(valid, slot_pos, jnp.iinfo(jnp.int32).max), axis=-1).astype(jnp.int32)
+    full = state.lengths[layer] - (state.hole[layer] >= 0) >= plan.sliding  # [B, H]
+    return evict_one_slot(state, layer, oldest, full, keys), out, {}
+
+
+def evict_over_budget(state: KVState, layer, victim, keys, *, budget: int) -> KVState:
+    """Drop slot `victim int32[B, H]` of each head holding more than `budget` slots (a pending hole aside)."""
+    over = state.lengths[layer] - (state.hole[layer] >= 0) > budget
+    return evict_one_slot(state, layer, victim, over, keys)
+
+
+# ------------------------------------------------------------------------------------------ views
+
+
+def layer_view(state: KVState, layer, num_layers: int, next_position, **extra) -> LayerView:
+    """One layer's cache as a compressor or evictor sees it (`LayerView`: `[B, H, S]` slots in logical
+    order); `layer` may be traced (the state's read bound must then be the same for every layer)."""
+    k, _, slot_pos, valid = gather_layer(state, layer)
+    P = state.layer_read_pages(layer)
+    score = state.slot_score[jnp.clip(state.page_table[layer, :, :, :P], 0, state.num_pages - 1)]
+    return LayerView(
+        layer=layer, num_layers=num_layers, k=k, slot_pos=slot_pos, valid=valid,
+        slot_score=score.reshape(slot_pos.shape), lengths=state.lengths[layer], next_position=next_position,
+        **extra,
+    )
+
+
+def page_view(state: KVState, layer, num_layers: int, q) -> LayerView:
+    """What a page selector reads at a decode step: the query `q [B, Hq, D]` and the layer's page metadata
+    (the table up to its read bound, the pool's key min/max and key sketch), no slot gathered."""
+    P = state.layer_read_pages(layer)
+    return LayerView(
+        layer=layer, num_layers=num_layers, lengths=state.lengths[layer], q=q,
+        page_table=state.page_table[layer, :, :, :P], kmin=state.kmin, kmax=state.kmax, page_size=state.page_size,
+        k_pages=state.k_pages, key_sketch=state.key_sketch,
+    )
+
+
+__all__ = ["DecodePlan", "SLOT_FIELDS", "VIEW_LAYOUTS", "attend_in_window", "decode_forward", "decode_layer",
+           "decode_plans", "evict_over_budget", "page_view", "layer_view", "write_select_attend"]
