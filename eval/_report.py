@@ -155,3 +155,13 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def load_line(payload: dict) -> str:
+    """The machine's load as the run recorded it: load average (1, 5, 15 min) before and after, or that it
+    did not record it (runs from before the programs recorded load; their text once called them quiet)."""
+    before = payload.get("cpu_load_before", payload.get("load_before"))
+    after = payload.get("cpu_load_after", payload.get("load_after"))
+    if before is None and after is None:
+        return "Load: not recorded by this run."
+    return f"Load average before/after: {before} / {after}."

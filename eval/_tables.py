@@ -7,17 +7,23 @@ eval/results/dispatch/bench_dispatch.json -->` (eval/_render.py). A run that did
 
 from __future__ import annotations
 
-from ._report import markdown_table
+from ._report import load_line, markdown_table
 
 
-def load_line(payload: dict) -> str:
-    """The machine's load as the run recorded it: load average (1, 5, 15 min) before and after, or that it
-    did not record it (runs from before the programs recorded load; their text once called them quiet)."""
-    before = payload.get("cpu_load_before", payload.get("load_before"))
-    after = payload.get("cpu_load_after", payload.get("load_after"))
-    if before is None and after is None:
-        return "Load: not recorded by this run."
-    return f"Load average before/after: {before} / {after}."
+def same_cell(results: list, row: dict, policy: str, kv_dtype: str | None = None) -> dict | None:
+    """The result of `policy` at `row`'s context (and `kv_dtype`, default the row's)."""
+    kv_dtype = kv_dtype or row["kv_dtype"]
+    return next((r for r in results if r["context"] == row["context"] and r["policy"] == policy
+                 and r["kv_dtype"] == kv_dtype), None)
+
+
+def vs_snapkv(row: dict, results: list) -> list[str]:
+    """Decode speed and prefill time against SnapKV's at the same context (the policies issue's aims)."""
+    snap = same_cell(results, row, "snapkv")
+    if snap is None:
+        return ["", ""]
+    return [f"{100 * row['decode_tokens_per_s'] / snap['decode_tokens_per_s']:.0f}%",
+            f"{row['prefill_s'] / snap['prefill_s']:.2f}x"]
 
 
 def _ratio(x) -> str:
@@ -42,14 +48,13 @@ def dispatch(payload: dict) -> str:
 
 def policies(payload: dict) -> str:
     """`kvjax bench policies`, float32 pages: decode and prefill of every policy, against full and SnapKV."""
-    from .bench_policies import _vs_snapkv
 
     results = payload["results"]
     headers = ["context", "policy", "decode tok/s", "speedup vs full", "KV MB read/step", "KV read GB/s",
                "pages in use / full", "prefill s", "prefill compile s", "decode vs snapkv", "prefill vs snapkv"]
     rows = [[r["context"], r["policy"], r["decode_tokens_per_s"], _ratio(r["speedup_vs_full"]),
              r["kv_bytes_read_per_step"] / 1e6, r["kv_read_gbps"], f"{r['pages_in_use']} / {r['pages_full_cache']}",
-             r["prefill_s"], r["prefill_compile_s"], *_vs_snapkv(r, results)]
+             r["prefill_s"], r["prefill_compile_s"], *vs_snapkv(r, results)]
             for r in results if r["kv_dtype"] == "float32"]
     m = payload["machine"]
     return (markdown_table(headers, rows) +

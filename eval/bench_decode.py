@@ -15,6 +15,7 @@ the FLOPs a step does as a share of a large float32 matmul, all measured in the 
 from __future__ import annotations
 
 import argparse
+import os
 import dataclasses
 import statistics
 import time
@@ -59,6 +60,18 @@ def widths(layers_1b: int, quick: bool) -> dict[str, Width]:
         "110m": Width("110m", 1024, 8, 16, 4, 2816, 32000),
         "llama-3.2-1b-width": Width("llama-3.2-1b-width", 2048, layers_1b, 32, 8, 8192, 128256),
     }
+
+
+def load_transformers(path: str, dtype: str, threads: int):
+    """transformers' model of a GGUF file (`path`) at `dtype`, on `threads` torch threads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch_dtype
+    ).eval()
 
 
 def bench_kvjax(model, prompt: np.ndarray, steps: int) -> dict:
@@ -117,7 +130,6 @@ def build(width: Width, threads: int):
     if width.real:
         from kvjax.models.hub import resolve_model
 
-        from .bench_real import load_transformers
 
         path = resolve_model(width.real)
         return kvjax.load_model(path), load_transformers(path, "float32", threads)

@@ -157,7 +157,7 @@ def run_sequential(model, trace, args) -> dict:
 def interleave_table(payloads: list) -> str:
     """Runs that differ only in `--prefill-chunks-per-step`, a row each: what spreading a prefill over
     dispatches trades (throughput and first-token time against steadier inter-token latency)."""
-    from ._tables import load_line
+    from ._report import load_line
 
     rows = []
     for p in payloads:

@@ -20,6 +20,7 @@ import functools
 
 import numpy as np
 
+from ._tables import same_cell, vs_snapkv
 from ._report import LOAD_AT_START, cpu_load, default_out, machine_info, markdown_table, write_outputs
 from ._timing import DecodeRun, round_robin
 
@@ -136,22 +137,6 @@ def time_round_robin(calls: dict, repeats: int) -> dict:
     return {key: 1e3 * statistics.median(values) for key, values in seconds.items()}
 
 
-def _same(results: list, row: dict, policy: str, kv_dtype: str | None = None) -> dict | None:
-    """The result of `policy` at `row`'s context (and `kv_dtype`, default the row's)."""
-    kv_dtype = kv_dtype or row["kv_dtype"]
-    return next((r for r in results if r["context"] == row["context"] and r["policy"] == policy
-                 and r["kv_dtype"] == kv_dtype), None)
-
-
-def _vs_snapkv(row: dict, results: list) -> list[str]:
-    """Decode speed and prefill time against SnapKV's at the same context (the policies issue's aims)."""
-    snap = _same(results, row, "snapkv")
-    if snap is None:
-        return ["", ""]
-    return [f"{100 * row['decode_tokens_per_s'] / snap['decode_tokens_per_s']:.0f}%",
-            f"{row['prefill_s'] / snap['prefill_s']:.2f}x"]
-
-
 def plot(payload: dict, path: str) -> None:
     import matplotlib
 
@@ -186,7 +171,7 @@ def render(payload: dict, out: str) -> str:
     rows = [[r["context"], r["policy"], r["kv_dtype"], r["decode_tokens_per_s"], ratio(r["speedup_vs_full"]),
              ratio(r["speedup_vs_float32_pages"]),
              r["kv_bytes_read_per_step"] / 1e6, r["kv_read_gbps"], f"{r['pages_in_use']} / {r['pages_full_cache']}",
-             r["prefill_s"], r["prefill_compile_s"], *_vs_snapkv(r, results)] for r in results]
+             r["prefill_s"], r["prefill_compile_s"], *vs_snapkv(r, results)] for r in results]
     note = (f"\nBudget {budget} slots per kv head (Quest: slots read per head; dense_layers=0 here). "
             f"{payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores; median of "
             f"{steps} decode steps after a warm-up, timed round-robin over the policies; prefill seconds exclude compiling (JAX's compile events), "
@@ -245,10 +230,10 @@ def main(argv=None):
             results.append(row)
         del runs
     for row in results:
-        full = _same(results, row, "full")
+        full = same_cell(results, row, "full")
         row["speedup_vs_full"] = row["decode_tokens_per_s"] / full["decode_tokens_per_s"] if full else None
         row["kv_read_gbps"] = row["kv_bytes_read_per_step"] / row["decode_step_s"] / 1e9
-        f32 = _same(results, row, row["policy"], "float32")
+        f32 = same_cell(results, row, row["policy"], "float32")
         row["speedup_vs_float32_pages"] = row["decode_tokens_per_s"] / f32["decode_tokens_per_s"] if f32 else None
     payload = {"benchmark": "bench_policies", "machine": machine_info(), "budget": args.budget,
                "config": attention_heavy_config(args.vocab), "timed_steps": args.steps, "results": results,

@@ -20,21 +20,10 @@ import jax
 import numpy as np
 
 from ._report import cpu_load, default_out, machine_info, markdown_table, write_outputs
-from .bench_decode import bench_kvjax, bench_transformers, read_bound
+from .bench_decode import bench_kvjax, bench_transformers, load_transformers, read_bound
 
 MODEL = "smollm2-135m"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-
-
-def load_transformers(path: str, dtype: str, threads: int):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(threads)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch_dtype
-    ).eval()
 
 
 def plot(payload: dict, path: str) -> None:
@@ -130,7 +119,7 @@ def main(argv=None) -> dict:
 
 def render(payload: dict) -> str:
     """The table and note of a run (its .md; the README and docs render it from the committed JSON)."""
-    from ._tables import load_line
+    from ._report import load_line
 
     headers = ["dtype", "context", "kvjax prefill s", "transformers prefill s", "prefill speedup", "kvjax tok/s",
                "transformers tok/s", "decode speedup", "kvjax GB/s (share of large read)",

@@ -20,7 +20,7 @@ import sys
 import time
 
 from ._report import LOAD_AT_START, cpu_load, default_out, machine_info, markdown_table, write_outputs
-from ._tables import load_line
+from ._report import load_line
 
 POLICIES = {  # name -> (policy, options (BUDGET: a quarter of the document), page dtype)
     "quest": ("quest", {"token_budget": 1024}, None),

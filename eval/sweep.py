@@ -225,7 +225,7 @@ def accuracy_table(result: dict) -> str:
 
 def accuracy_table_with_load(result: dict) -> str:
     """`accuracy_table` followed by the load the run recorded (the sweeps whose timing is quoted beside them)."""
-    from ._tables import load_line
+    from ._report import load_line
 
     return accuracy_table(result) + "\n\n" + load_line(result)
 

@@ -197,3 +197,43 @@ def test_module_docstrings_are_short_and_their_notes_exist():
                 missing.append(f"{name} -> {target}")
     assert not long, f"module docstrings longer than four lines: {long}"
     assert not missing, f"Notes lines naming no section of docs/modules.md: {missing}"
+
+
+def _import_cycles(package: str) -> list[list[str]]:
+    """The import circles among a package's modules (strongly connected groups of two or more), counting
+    imports inside functions too (a function-local import hides a circle, it does not remove it)."""
+    modules = {name: path for name, path in _installed_modules().items() if name.startswith(package + ".")}
+    graph = {name: {target for target, _, _ in _imports(name, path, set(modules)) if target in modules and target != name}
+             for name, path in modules.items()}
+    order, low, stack, cycles, counter = {}, {}, [], [], [0]
+
+    def visit(node):
+        order[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in order:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return cycles
+
+
+def test_the_programs_import_in_no_circle():
+    """eval/'s programs and shared pieces (`_report`, `_timing`, `_tables`, ...) import one another without
+    a circle, function-local imports included."""
+    assert _import_cycles("kvjax.eval") == []
