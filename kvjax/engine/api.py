@@ -16,7 +16,7 @@ from kvjax.cache.state import KVState, overflow_error
 from kvjax.engine.generation import (
     DEFAULT_CHUNK_SIZE, DEFAULT_STEPS_PER_DISPATCH, as_token_lists, check_context, generate_rows, policy_or_full, PrefillPlan, prefill_rows,
 )
-from kvjax.engine.step import LOCAL_BACKEND, StepBackend
+from kvjax.engine.step import LOCAL_BACKEND
 from kvjax.models import CausalLM
 from kvjax.models.config import ModelConfig
 from kvjax.models.loading import Model
@@ -100,28 +100,25 @@ def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None =
     """
     policy = policy_or_full(policy)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, token_ids))):
-        return _decode(model, state, jnp.asarray(token_ids, jnp.int32).reshape(-1), policy)
+        return _decode_tokens(model, state, jnp.asarray(token_ids, jnp.int32).reshape(-1), policy)
     tokens = np.asarray(token_ids, np.int32).reshape(-1)
     B = state.next_position.shape[0]
     if tokens.shape[0] != B:
         raise ValueError(f"token_ids has {tokens.shape[0]} entries but the state holds {B} sequences")
     as_token_lists(tokens[:, None], model.cfg.vocab_size, "token_ids")
-    logits, state = _decode(model, state, jnp.asarray(tokens), policy)
+    logits, state = _decode_tokens(model, state, jnp.asarray(tokens), policy)
     error = overflow_error(state)
     if error is not None:
         raise error
     return logits, state
 
 
-def _decode(
-    model: Model, state: KVState, tokens: jax.Array, policy: Policy, backend: StepBackend | None = None
-) -> tuple[jax.Array, KVState]:
-    backend = backend or LOCAL_BACKEND
+def _decode_tokens(model: Model, state: KVState, tokens: jax.Array, policy: Policy) -> tuple[jax.Array, KVState]:
+    """One decode step of `tokens int32[B]` on one device (`append_step`: no checks, traceable)."""
     B = tokens.shape[0]
-    state, _, logits = backend.append_step(
-        model.params, state, None, backend.put(tokens[:, None]), backend.put(jnp.ones((B,), jnp.int32)),
-        backend.put(jnp.zeros((B, model.cfg.vocab_size), jnp.float32)), None, cfg=model.cfg,
-        dtype=model.dtype, policy=policy,
+    state, _, logits = LOCAL_BACKEND.append_step(
+        model.params, state, None, tokens[:, None], jnp.ones((B,), jnp.int32),
+        jnp.zeros((B, model.cfg.vocab_size), jnp.float32), None, cfg=model.cfg, dtype=model.dtype, policy=policy,
     )
     return logits, state
 
