@@ -8,14 +8,14 @@ import json
 import sys
 
 import torch
-from kvpress import AdaKVPress, SnapKVPress, StreamingLLMPress, TOVAPress
+from kvpress import AdaKVPress, ObservedAttentionPress, PyramidKVPress, SnapKVPress, StreamingLLMPress, TOVAPress
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 
-def build_model(out_dir: str, seed: int):
+def build_model(out_dir: str, seed: int, num_layers: int):
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
@@ -29,13 +29,31 @@ def build_model(out_dir: str, seed: int):
     return model
 
 
-def presses(ratio: float, window: int, kernel: int, alpha: float):
+class AccumulatedAttentionPress(ObservedAttentionPress):
+    """ObservedAttentionPress with its per-key mean undone: each key's attention summed over the queries that
+    see it (H2O's accumulated score), not divided by their number. The group mean is kvpress's."""
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        mean = super().score(module, hidden_states, keys, values, attentions, kwargs)
+        n_tokens = keys.shape[2]
+        return mean * torch.arange(n_tokens, 0, -1).to(mean.device, mean.dtype)
+
+
+EAGER = {"observed_attention", "h2o_accumulated"}  # presses that read the weights
+
+
+def presses(ratio: float, window: int, kernel: int, alpha: float, pyramid_beta: float):
     return {
         "snapkv": SnapKVPress(compression_ratio=ratio, window_size=window, kernel_size=kernel),
         "streaming": StreamingLLMPress(compression_ratio=ratio, n_sink=4),
         "tova": TOVAPress(compression_ratio=ratio),
         "adakv_snapkv": AdaKVPress(SnapKVPress(compression_ratio=ratio, window_size=window, kernel_size=kernel),
                                    alpha_safeguard=alpha),
+        "pyramidkv": PyramidKVPress(compression_ratio=ratio, window_size=window, kernel_size=kernel,
+                                    beta=pyramid_beta),
+        "pyramidkv_beta20": PyramidKVPress(compression_ratio=ratio, window_size=window, kernel_size=kernel, beta=20),
+        "h2o_accumulated": AccumulatedAttentionPress(compression_ratio=ratio),
+        "observed_attention": ObservedAttentionPress(compression_ratio=ratio),
     }
 
 
@@ -45,13 +63,19 @@ def layer_keys(cache, layer):
 
 def main():
     spec = json.loads(sys.argv[1])
-    model = build_model(spec["model_dir"], spec["seed"])
+    model = build_model(spec["model_dir"], spec["seed"], spec["num_layers"])
     ids = torch.tensor([spec["prompt"]], dtype=torch.long)
-    with torch.no_grad():
-        full = DynamicCache(config=model.config)
-        model(ids, past_key_values=full, use_cache=True)
+    fulls = {}
+    for implementation in ("sdpa", "eager"):
+        model.config._attn_implementation = implementation
+        with torch.no_grad():
+            fulls[implementation] = DynamicCache(config=model.config)
+            model(ids, past_key_values=fulls[implementation], use_cache=True)
     out = {}
-    for name, press in presses(spec["ratio"], spec["window"], spec["kernel"], spec["alpha"]).items():
+    for name, press in presses(spec["ratio"], spec["window"], spec["kernel"], spec["alpha"],
+                               spec["pyramid_beta"]).items():
+        model.config._attn_implementation = "eager" if name in EAGER else "sdpa"
+        full = fulls[model.config._attn_implementation]
         scorer = press.press if isinstance(press, AdaKVPress) else press
         recorded = {}
         original = scorer.score
