@@ -149,17 +149,22 @@ def cmd_generate_from_state(args) -> int:
 
 
 # The command line dispatches to the programs by module name: the library never imports its programs.
-BENCHMARKS = {
+BENCHMARKS = {  # speed, memory and compile time
     "decode": "kvjax.eval.bench_decode", "policies": "kvjax.eval.bench_policies",
     "attention": "kvjax.eval.bench_attention", "serving": "kvjax.eval.bench_serving",
-    "memory": "kvjax.eval.bench_memory", "sweep": "kvjax.eval.sweep", "cacheclip": "kvjax.eval.bench_cacheclip",
-    "model-accuracy": "kvjax.eval.model_accuracy", "locret-quality": "kvjax.eval.locret_quality",
-    "real": "kvjax.eval.bench_real", "compile": "kvjax.eval.bench_compile", "perplexity": "kvjax.eval.perplexity",
-    "trace-needle": "kvjax.eval.trace_needle", "locret-labels": "kvjax.eval.bench_locret_labels",
+    "memory": "kvjax.eval.bench_memory", "cacheclip": "kvjax.eval.bench_cacheclip",
+    "real": "kvjax.eval.bench_real", "compile": "kvjax.eval.bench_compile", "locret-labels": "kvjax.eval.bench_locret_labels",
     "suite": "kvjax.eval.suite", "compare": "kvjax.eval.compare", "dispatch": "kvjax.eval.bench_dispatch",
-    "load": "kvjax.eval.bench_load", "locret-oracle": "kvjax.eval.locret_oracle",
-    "device": "kvjax.eval.bench_device", "saved-state": "kvjax.eval.bench_saved_state",
+    "load": "kvjax.eval.bench_load", "device": "kvjax.eval.bench_device", "saved-state": "kvjax.eval.bench_saved_state",
 }
+EVALUATIONS = {  # accuracy, perplexity, what a policy keeps
+    "sweep": "kvjax.eval.sweep", "model-accuracy": "kvjax.eval.model_accuracy",
+    "locret-quality": "kvjax.eval.locret_quality", "perplexity-sweep": "kvjax.eval.perplexity",
+    "trace-needle": "kvjax.eval.trace_needle", "locret-oracle": "kvjax.eval.locret_oracle",
+}
+# evaluations `kvjax bench` ran before `kvjax eval NAME` existed, by their old names (`kvjax eval perplexity` is
+# evaluate.py's task)
+MOVED_TO_EVAL = {name: name for name in EVALUATIONS} | {"perplexity": "perplexity-sweep"}
 TRAINERS = {"locret": "kvjax.train.locret", "default-model": "kvjax.train.train_default_model",
             "cacheclip-aux": "kvjax.train.cacheclip_aux"}
 DEMO, EVALUATE = "kvjax.eval.demo", "kvjax.eval.evaluate"
@@ -187,13 +192,20 @@ def cmd_demo(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    """`kvjax eval NAME ...` runs an evaluation program; `kvjax eval TASK ...` one task under one policy."""
+    if args.rest and args.rest[0] in EVALUATIONS:
+        return _run_program(EVALUATIONS[args.rest[0]], args.rest[1:])
     return _run_program(EVALUATE, args.rest)
 
 
 def cmd_bench(args) -> int:
     # `--json` may come before or after the benchmark's own options (argparse.REMAINDER keeps the latter)
     as_json = args.json or "--json" in args.rest
-    return _run_program(BENCHMARKS[args.name], [a for a in args.rest if a != "--json"], as_json)
+    if args.name in MOVED_TO_EVAL:
+        moved = MOVED_TO_EVAL[args.name]
+        print(f"kvjax bench {args.name}: an evaluation, now `kvjax eval {moved}` (run as that)", file=sys.stderr)
+    module = BENCHMARKS.get(args.name) or EVALUATIONS[MOVED_TO_EVAL.get(args.name, args.name)]
+    return _run_program(module, [a for a in args.rest if a != "--json"], as_json)
 
 
 def cmd_train(args) -> int:
@@ -301,8 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("rest", nargs=argparse.REMAINDER, help="the demo's options")
     demo.set_defaults(func=cmd_demo)
 
-    ev = sub.add_parser("eval", add_help=False, help="one evaluation task under one policy (kvjax eval --help)")
-    ev.add_argument("rest", nargs=argparse.REMAINDER, help="the task and its options")
+    ev = sub.add_parser("eval", add_help=False,
+                        help=f"an evaluation: kvjax eval {{{','.join(sorted(EVALUATIONS))}}} ..., or one task under "
+                             "one policy (kvjax eval --help)")
+    ev.add_argument("rest", nargs=argparse.REMAINDER, help="the evaluation's name and options, or the task's options")
     ev.set_defaults(func=cmd_eval)
 
     fetch = sub.add_parser("fetch", help="download a registered real model into $KVJAX_HOME (kvjax fetch --list)")
@@ -311,8 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--quiet", action="store_true", help="no progress bar")
     fetch.set_defaults(func=cmd_fetch)
 
-    bench = sub.add_parser("bench", help="run a benchmark program (eval/bench_NAME.py or the sweep)")
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench = sub.add_parser("bench", help="run a benchmark program (speed, memory, compile time; eval/bench_NAME.py)")
+    bench.add_argument("name", choices=sorted(BENCHMARKS) + sorted(MOVED_TO_EVAL))
     bench.add_argument("--json", action="store_true", help="print the result JSON on stdout (tables go to stderr)")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=cmd_bench)
