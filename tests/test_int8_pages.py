@@ -73,9 +73,10 @@ def test_generation_with_int8_pages_stays_near_float32_pages(tiny, name):
     tokens32, logprobs32 = kvjax.generate(tiny, prompt, **kwargs)
     tokens8, logprobs8 = kvjax.generate(tiny.with_kv_dtype("int8"), prompt, **kwargs)
     np.testing.assert_array_equal(tokens8, tokens32)
-    # measured once: full 0.022, Quest 0.062 (its page bounds move with the rounding), SnapKV 0.004, H2O 0.001;
-    # docs/usage.md states the tolerance checked here
-    np.testing.assert_allclose(logprobs8, logprobs32, atol=0.1)
+    # measured (largest |difference| over the 6 steps): full 0.022, Quest 0.062 (its page bounds move with the
+    # rounding), TOVA 0.019, PyramidKV 0.005, SnapKV 0.004, Ada-SnapKV 0.0014, H2O 0.001, StreamingLLM 0.0004;
+    # docs/usage.md states the tolerances checked here
+    np.testing.assert_allclose(logprobs8, logprobs32, atol=0.08 if name == "quest" else 0.03)
     assert not np.array_equal(logprobs8, logprobs32)  # the int8 pages were really used
 
 

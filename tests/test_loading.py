@@ -126,7 +126,14 @@ def test_cli_generate_json(tmp_path):
     model = kvjax.load_model(shipped_model_dir())
     expected = kvjax.generate(model, [model.tokenizer("the pass key is 42 .")["input_ids"]], 5)[0]
     assert out["token_ids"] == [int(t) for t in expected if t >= 0]
-    assert os.listdir(tmp_path / "cache"), "the persistent compilation cache stayed empty"
+    # every compiled program is written (kvjax sets no minimum compile time or size): a second run that
+    # compiles nothing again writes no new entry, and gives the same tokens
+    written = set(os.listdir(tmp_path / "cache"))
+    assert written, "the persistent compilation cache stayed empty"
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["token_ids"] == out["token_ids"]
+    assert set(os.listdir(tmp_path / "cache")) == written, "the second run compiled programs the cache did not hold"
 
 
 def test_cli_reports_bad_input(capsys):

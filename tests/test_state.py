@@ -157,22 +157,46 @@ def test_unknown_policy_name():
 
 def test_bfloat16_pages_on_cpu_are_held_as_bits_and_match_bfloat16(llama):
     """On CPU, bfloat16 pages are held as uint16 bit patterns (XLA:CPU converted a bfloat16 pool to float32 and
-    back around every scatter) with float32 metadata; generation equals the same pages held as bfloat16,
-    which is what the reference backend reads (it bitcasts the pool up front)."""
+    back around every scatter) with float32 metadata. The first layer's stored keys and values are exactly the
+    float32 run's rounded to bfloat16 (its inputs do not depend on the cache), and decoding from those pages
+    gives the same logits and tokens as decoding from the same pages held as bfloat16 (the layout a GPU or TPU
+    uses, which the reference backend reads after bitcasting the pool)."""
     if jax.default_backend() != "cpu":
         pytest.skip("the uint16 layout is the CPU one")
     state = init_state(llama.cfg, batch=1, capacity=32, dtype=jnp.bfloat16)
     assert state.k_pages.dtype == jnp.uint16 and state.page_dtype == jnp.bfloat16 and state.kmin.dtype == jnp.float32
     model = llama.with_kv_dtype("bfloat16")
     prompt = random_tokens(7, (2, 40))
-    state, logits = kvjax.prefill(model, prompt, chunk_size=16, capacity=64)
-    check_invariants(state)
-    stored = np.asarray(state.read_k(np.arange(state.num_pages)))
-    assert stored.dtype == jnp.bfloat16
-    float_state, float_logits = kvjax.prefill(llama, prompt, chunk_size=16, capacity=64)
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(float_logits), atol=0.05)
-    out = kvjax.generate(model, prompt, max_new_tokens=6)
-    assert (out == kvjax.generate(llama, prompt, max_new_tokens=6)).mean() >= 0.8
+    bits_state, logits = kvjax.prefill(model, prompt, chunk_size=16, capacity=64)
+    check_invariants(bits_state)
+    float_state, _ = kvjax.prefill(llama, prompt, chunk_size=16, capacity=64)
+    for read in ("read_k", "read_v"):
+        ours, theirs = (layer_values(s, 0, read) for s in (bits_state, float_state))
+        assert ours.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(ours, theirs.astype(jnp.bfloat16), err_msg=read)
+    # the same pages held as bfloat16: the pool bitcast, its metadata in bfloat16 (exact: min/max of bfloat16 keys)
+    as_bf16 = lambda x: jax.lax.bitcast_convert_type(x, jnp.bfloat16)  # noqa: E731
+    bf16_state = bits_state.replace(k_pages=as_bf16(bits_state.k_pages), v_pages=as_bf16(bits_state.v_pages),
+                                    kmin=bits_state.kmin.astype(jnp.bfloat16), kmax=bits_state.kmax.astype(jnp.bfloat16))
+    bits_state = jax.tree.map(jnp.copy, bits_state)  # decode_step donates its state
+    token = np.asarray(logits).argmax(-1)
+    for _ in range(4):
+        bits_logits, bits_state = kvjax.decode_step(model, bits_state, token)
+        bf16_logits, bf16_state = kvjax.decode_step(model, bf16_state, token)
+        assert bits_state.k_pages.dtype == jnp.uint16 and bf16_state.k_pages.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(bits_logits), np.asarray(bf16_logits), rtol=0, atol=1e-6)
+        token = np.asarray(bits_logits).argmax(-1)
+        assert (token == np.asarray(bf16_logits).argmax(-1)).all()
+    np.testing.assert_array_equal(layer_values(bits_state, 1, "read_k"), layer_values(bf16_state, 1, "read_k"))
+
+
+def layer_values(state, layer, read):
+    """`read` ("read_k" / "read_v") of every slot `layer` maps, in page-table order: [B, H, pages * ps, D]."""
+    table = np.asarray(state.page_table)[layer]
+    pages = np.where(table >= 0, table, 0)
+    values = np.asarray(getattr(state, read)(pages))  # [B, H, P, ps, D]
+    mapped = (table >= 0)[..., None, None]
+    return np.where(mapped, values, 0).reshape(*table.shape[:2], -1, values.shape[-1]).astype(values.dtype)
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.int8])

@@ -76,3 +76,34 @@ def test_the_capacity_flag_stays_in_the_state(model):
     state, _ = greedy_loop(model, None, 12)(state, jnp.argmax(logits, axis=-1).astype(jnp.int32))
     assert int(state.overflow[0]) != 0
     assert isinstance(overflow_error(state), CacheCapacityError)
+
+
+def _evicting_policy(name: str):
+    if name == "locret":
+        from kvjax.locret import HeadsConfig, init_heads
+
+        heads = init_heads(HeadsConfig.for_model(CFG, hidden_size=16), seed=1)
+        return kvjax.make_policy("locret", token_budget=32, stabilizers=4, local_tail=8, heads=heads)
+    return kvjax.make_policy(name, **({} if name == "full" else {"token_budget": 32}))
+
+
+@pytest.mark.parametrize("name, kv_dtype", [
+    pytest.param("h2o", "int8", id="h2o-int8"),  # the quick suite's representative; the others are heavy
+    *(pytest.param(name, kv_dtype, id=f"{name}-{kv_dtype or 'float32'}", marks=pytest.mark.heavy)
+      for name, kv_dtype in [("h2o", None), ("tova", None), ("streaming", None), ("locret", None), ("full", "int8")]),
+])
+def test_a_jitted_user_loop_that_evicts_while_decoding(model, name, kv_dtype):
+    """Policies that evict while decoding (H2O, TOVA, StreamingLLM; Locret scores each new token with its
+    heads), and int8 pages, inside the user's jitted `lax.scan`: generate's greedy tokens, and every head at
+    its budget after the loop."""
+    model = model.with_kv_dtype(kv_dtype) if kv_dtype else model
+    policy = _evicting_policy(name)
+    expected = kvjax.generate(model, PROMPT, 6, policy)
+    state, logits = kvjax.prefill(model, PROMPT, policy, max_new_tokens=6)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    state, tokens = greedy_loop(model, policy, 6)(state, first)
+    assert int(state.overflow[0]) == 0
+    np.testing.assert_array_equal(np.concatenate([np.asarray(first)[:, None], np.asarray(tokens)], axis=1), expected)
+    if policy.evicts_while_decoding:
+        held = np.asarray(state.lengths) - (np.asarray(state.hole) >= 0)
+        assert (held <= policy.decode_budget).all() and (held == policy.decode_budget).any(), held
