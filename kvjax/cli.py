@@ -1,5 +1,5 @@
-"""The `kvjax` command line: `generate`, `fetch` and `serve`, and `demo`, `eval`, `bench`, `train` (the
-programs under `eval/` and `train/`, run by module name).
+"""The `kvjax` command line: `generate`, `prefill`, `fetch` and `serve`, and `demo`, `eval`, `bench`, `train`
+(the programs under `eval/` and `train/`, run by module name).
 
 Notes: docs/modules.md (`kvjax/cli.py`)."""
 
