@@ -136,23 +136,7 @@ def _norm(cfg: ModelConfig, dtype) -> RMSNorm:
 
 
 def _dense(features: int, use_bias: bool, name: str, dtype) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, name=name, dtype=dtype, param_dtype=dtype,
-                    dot_general=_rows_dot_general)
-
-
-def _rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-    """`lax.dot_general` for a projection `x [..., E] @ W [E, F]`, with one row (a decode step of batch 1)
-    on CPU taken as two (a zero row added, then dropped): XLA:CPU compiles a one-row product with its own
-    vectorised loop per weight, seconds for a model whose layers each read their own weights (`Model`'s
-    per-layer form), and a two-row one as a library call compiled in milliseconds. The result is the same."""
-    dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=preferred_element_type,
-                            **kwargs)
-    projection = tuple(map(tuple, dimension_numbers[0])) == ((lhs.ndim - 1,), (0,)) and rhs.ndim == 2
-    if not projection or lhs.size != lhs.shape[-1] or jax.default_backend() != "cpu":
-        return dot(lhs, rhs, dimension_numbers)
-    rows = lhs.reshape(1, lhs.shape[-1])
-    out = dot(jnp.concatenate([rows, jnp.zeros_like(rows)]), rhs, (((1,), (0,)), ((), ())))
-    return out[:1].reshape(lhs.shape[:-1] + rhs.shape[1:])
+    return nn.Dense(features, use_bias=use_bias, name=name, dtype=dtype, param_dtype=dtype)
 
 
 class Attention(nn.Module):
