@@ -188,12 +188,7 @@ def run(model, tasks, length: int, budgets, heads, num_samples: int = 50, batch_
                                         "seconds": round(time.perf_counter() - started, 1)}) + "\n")
         bar.close()
         jax.clear_caches()
-    pooled: dict = {}  # (task, cell key) -> {"scores": [...], "needle_kept": [...]}, batches in order
-    for (task, _), have in sorted(done.items()):
-        for key, values in have.items():
-            into = pooled.setdefault((task, key), {"scores": [], "needle_kept": []})
-            into["scores"] += values["scores"]
-            into["needle_kept"] += values["needle_kept"]
+    pooled = pool_batches(done)
     cells = []
     for task in tasks:
         for (t, key), values in pooled.items():
@@ -204,6 +199,30 @@ def run(model, tasks, length: int, budgets, heads, num_samples: int = 50, batch_
                           "accuracy": float(np.mean(values["scores"])), "needle_kept": float(np.mean(values["needle_kept"])),
                           "samples": len(values["scores"])})
     return {"machine": machine_info(), "setting": setting, "cells": cells}
+
+
+def pool_batches(done: dict) -> dict:
+    """{(task, cell key): {"scores": [...], "needle_kept": [...]}} over the batches `done` ({(task, batch):
+    {cell key: {"scores", "needle_kept"}}}), batches in order."""
+    pooled: dict = {}
+    for (task, _), have in sorted(done.items()):
+        for key, values in have.items():
+            into = pooled.setdefault((task, key), {"scores": [], "needle_kept": []})
+            into["scores"] += values["scores"]
+            into["needle_kept"] += values["needle_kept"]
+    return pooled
+
+
+def write_and_print(out: str, name: str, result: dict, text: str, plot_result=None) -> dict:
+    """`write_outputs` (JSON and Markdown, and a plot when `plot_result(result, path)` is given), then print the
+    table and the paths."""
+    paths = write_outputs(out, name, result, text)
+    if plot_result is not None:
+        paths["png"] = plot_result(result, os.path.join(out, f"{name}.png"))
+    with open(paths["md"]) as f:
+        print(f.read())
+    print(json.dumps(paths))
+    return paths
 
 
 def table(result: dict) -> str:
@@ -282,12 +301,7 @@ def main(argv=None) -> dict:
     result = run(model, args.tasks, args.length, args.budgets, heads, args.samples, args.batch_size, args.batches,
                  args.stabilizers, args.local_tail, args.chunk,
                  checkpoint=os.path.join(args.out, f"{args.name}.batches.jsonl"))
-    paths = write_outputs(args.out, args.name, result, table(result))
-    paths["png"] = plot(result, os.path.join(args.out, f"{args.name}.png"))
-    with open(paths["md"]) as f:
-        print(f.read())
-    print(json.dumps(paths))
-    return paths
+    return write_and_print(args.out, args.name, result, table(result), plot)
 
 
 if __name__ == "__main__":

@@ -36,3 +36,26 @@ def test_label_scored_locret_keeps_its_labels_top_per_chunk(hf_models):
                 candidates = np.array(sorted(first | set(range(CHUNK, evicted))))
                 final = {int(i) for i in candidates[np.argsort(-score[candidates])[:b]]}
                 assert set(kept[layer][row][h].tolist()) == final | set(range(evicted, n)), (row, layer, h)
+
+
+def test_label_table_labels_are_compute_targets_labels():
+    """The label table's one pass over a prefilled state (`answer_labels`) gives Locret's labels
+    (`compute_targets`) of the context tokens for question + answer and for the answer alone."""
+    import kvjax
+    from kvjax.eval.locret_label_table import answer_labels
+    from kvjax.eval.locret_oracle import batch_labels
+
+    model = kvjax.load_model("tiny")
+    rng = np.random.default_rng(0)
+    contexts = [rng.integers(3, 120, 70).tolist(), rng.integers(3, 120, 45).tolist()]
+    questions, answers = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]]
+    state, _ = kvjax.prefill(model, contexts, None, max_new_tokens=8)
+    both, answer = (np.asarray(x) for x in answer_labels(model, state, contexts, questions, answers))
+    # the answer's queries follow the question: its reference reads context + question as the prefix
+    references = (([c for c in contexts], [q + a for q, a in zip(questions, answers)]),
+                  ([c + q for c, q in zip(contexts, questions)], answers))
+    for got, (prefixes, fed) in zip((both, answer), references):
+        want = batch_labels(model, prefixes, fed, chunk=64)  # [L, B, Tp, H] by position
+        for b, n in enumerate(map(len, contexts)):
+            np.testing.assert_allclose(got[:, b, :, :n], np.moveaxis(want[:, b, :n], -1, 1), rtol=1e-4, atol=1e-4)
+            assert np.all(np.isneginf(got[:, b, :, n:]))
