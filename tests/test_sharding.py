@@ -137,7 +137,13 @@ def matrix_results():
     return {run["policy"]: run for run in run_worker(*MATRIX_ARGS)["matrix"]}
 
 
+ONE_DEVICE = {"kvzip"}  # its scoring pass (KVzip's reconstruction) runs on one device: refused by name on a mesh
+
+
 def _check_matrix_case(run: dict, case_id: str) -> None:
+    if case_id in ONE_DEVICE:
+        assert run.get("error", "").startswith(f"NotImplementedError: policy {case_id!r}"), run
+        return
     assert "error" not in run, run.get("error")
     _check_generation(run)
 
