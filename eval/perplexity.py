@@ -11,7 +11,7 @@ As a program, every policy at every budget on real-text windows of a real model,
 once and every policy derived from it (`kvjax.engine.shared_prefill`); JSON, a Markdown table and a plot of
 perplexity against budget:
 
-    kvjax bench perplexity --model smollm2-135m --context 2048 --continuation 128 --texts 10
+    kvjax eval perplexity-sweep --model smollm2-135m --context 2048 --continuation 128 --texts 10
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Decode latency per policy is timed on the task's prompts (`time_decodes`). Plots
 and decode latency against context length.
 
     python -m eval.sweep --model tiny --lengths 1024 2048 --budgets 64 128 256 --samples 50
-    kvjax bench sweep --json
+    kvjax eval sweep --json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ A policy that fails while its heads kept the needle lost it elsewhere (at decode
 choice); one that evicted the needle in the retrieving heads lost it at compression. JSON, Markdown and a
 heatmap PNG (mass per head; kept share per head for each policy).
 
-    kvjax bench trace-needle --task real_passkey --length 2048 --sample 3 --policies snapkv h2o quest --budget 256
+    kvjax eval trace-needle --task real_passkey --length 2048 --sample 3 --policies snapkv h2o quest --budget 256
 """
 
 from __future__ import annotations
