@@ -63,7 +63,8 @@ class Recipe:
 
 
 def set_previous_token_head(params, cfg, recipe: Recipe, const_dim: int = 0):
-    """Make layer 0's query head 0 attend to the previous token (kv head 0 keys on the same feature).
+    """Make layer 0's query head 0 attend to the previous token (kv head 0 keys on the same feature); returns
+    the parameters with the layers stacked `[L, ...]` (training scans them).
 
     Embedding dimension `const_dim` is set to `const_embedding` for every token (after RMSNorm a constant
     several times larger than the token dimensions, small enough not to drown them). For
@@ -71,9 +72,10 @@ def set_previous_token_head(params, cfg, recipe: Recipe, const_dim: int = 0):
     so their dot product at query position m and key position n is s^2 * cos((m - n - 1) theta_j): summed
     over the highest-frequency pairs it peaks at n = m - 1.
     """
+    from kvjax.models import stack_layers
     from kvjax.models.rope import rope_frequencies
 
-    params = jax.tree_util.tree_map(lambda x: x, params)  # shallow copy of the tree
+    params = jax.tree_util.tree_map(lambda x: x, stack_layers(params))  # a copy of the tree, layers stacked
     embed = params["embed_tokens"]["embedding"]
     params["embed_tokens"]["embedding"] = embed.at[:, const_dim].set(recipe.const_embedding)
     inv_freq, _ = rope_frequencies(cfg)
