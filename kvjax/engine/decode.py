@@ -6,7 +6,7 @@ Notes: docs/modules.md (`kvjax/engine/decode.py`)."""
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
