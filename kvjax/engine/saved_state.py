@@ -20,7 +20,7 @@ import numpy as np
 from kvjax.cache.state import CacheCapacityError, KeySketch, KVState, init_state, pages_for
 from kvjax.engine.generation import as_token_row, continue_rows, feed_tokens, policy_or_full
 from kvjax.models.loading import Model
-from kvjax.policies import POLICY_REGISTRY, Policy, make_policy
+from kvjax.policies import POLICY_REGISTRY, Policy
 
 FORMAT, VERSION = "kvjax.saved_state", 1
 HEADER_FILE, TENSOR_FILE = "header.json", "state.safetensors"
