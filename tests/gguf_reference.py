@@ -6,6 +6,19 @@ from __future__ import annotations
 import os
 
 
+def fetched_or_skip(name: str) -> str:
+    """A real model's path, or skip the calling module naming `kvjax fetch NAME` (which KVJAX_TEST_REQUIRE=real
+    turns into a failure, conftest.py); called before anything else may skip, so that skip is the one seen."""
+    import pytest
+
+    from kvjax.models import hub
+
+    path = hub.cached_path(name)
+    if path is None:
+        pytest.skip(f"{name} is not fetched; run `kvjax fetch {name}` to run these tests", allow_module_level=True)
+    return path
+
+
 def transformers_gguf(path, threads: int | None = None):
     """transformers' model of the GGUF file at `path`, dequantised to float32, in eval mode (torch on
     `threads` threads where given)."""

@@ -7,14 +7,11 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.models import hub
+from gguf_reference import fetched_or_skip
 
 pytestmark = pytest.mark.real
 NAME = "gemma3-270m"
-PATH = hub.cached_path(NAME)
-# the fetch first: its skip names `kvjax fetch`, which KVJAX_TEST_REQUIRE=real turns into a failure (conftest.py)
-if PATH is None:
-    pytest.skip(f"{NAME} is not fetched; run `kvjax fetch {NAME}` to run these tests", allow_module_level=True)
+PATH = fetched_or_skip(NAME)  # the fetch first: its skip is the one KVJAX_TEST_REQUIRE=real checks
 torch = pytest.importorskip("torch", reason="compares with transformers, which runs on torch (the dev extra)")
 
 from gguf_reference import transformers_gguf  # noqa: E402
