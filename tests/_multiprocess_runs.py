@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from kvjax.distributed.launch import launch  # noqa: E402
+from kvjax.distributed.launch import launch, simulated_cpu_xla_flags  # noqa: E402
 
 PROCESSES, CPU_DEVICES, TIMEOUT = 2, 2, 600
 # compile time dominates these tiny runs; every side of every comparison uses the same flags
@@ -55,7 +55,7 @@ def two_processes(command: list[str], log: str) -> int:
 
 def one_process(command: list[str], log: str, devices: int = 1) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=simulated_cpu_xla_flags(devices, os.environ.get("XLA_FLAGS", "")))
     return subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
-os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kvjax.distributed.launch import simulated_cpu_xla_flags  # noqa: E402  (jax makes no backend yet)
+
+os.environ["XLA_FLAGS"] = simulated_cpu_xla_flags(2, os.environ.get("XLA_FLAGS", ""))
+os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402
 import urllib.request  # noqa: E402

@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-     # compile time dominates these tiny runs; both sides of every comparison use the same flags
-     "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
-)
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kvjax.distributed.launch import simulated_cpu_xla_flags  # noqa: E402  (jax makes no backend yet)
+
+os.environ["XLA_FLAGS"] = simulated_cpu_xla_flags(8, " ".join(
+    [os.environ.get("XLA_FLAGS", ""),
+     # compile time dominates these tiny runs; both sides of every comparison use the same flags
+     "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import functools  # noqa: E402

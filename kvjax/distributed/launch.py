@@ -21,6 +21,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# XLA:CPU aborts the process when a collective's threads have not all met within 40 s. Simulated devices share
+# the host's cores, so a loaded machine (a test suite beside a sharded run on 2 cores) can keep one thread
+# waiting that long without anything being wrong: give collectives ten minutes before XLA gives up.
+CPU_COLLECTIVE_TIMEOUT_FLAGS = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=120 "
+                                "--xla_cpu_collective_call_terminate_timeout_seconds=600 "
+                                "--xla_cpu_collective_timeout_seconds=600")
+
+
+def simulated_cpu_xla_flags(devices: int, flags: str = "") -> str:
+    """XLA_FLAGS for `devices` simulated CPU devices, added to `flags` (set before jax makes its backend)."""
+    return f"{flags} --xla_force_host_platform_device_count={devices} {CPU_COLLECTIVE_TIMEOUT_FLAGS}".strip()
+
+
 def process_env(process_id: int, processes: int, port: int, cpu_devices: int = 0) -> dict:
     """The environment of process `process_id` of `processes` on this machine (coordinator on `port`);
     `cpu_devices` > 0 runs it on that many simulated CPU devices."""
@@ -28,7 +41,7 @@ def process_env(process_id: int, processes: int, port: int, cpu_devices: int = 0
                               PROCESS_ID: str(process_id)})
     if cpu_devices:
         env["JAX_PLATFORMS"] = "cpu"
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={cpu_devices}".strip()
+        env["XLA_FLAGS"] = simulated_cpu_xla_flags(cpu_devices, env.get("XLA_FLAGS", ""))
     return env
 
 
