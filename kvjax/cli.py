@@ -18,12 +18,12 @@ def cmd_generate(args) -> int:
     from kvjax.util.compilation_cache import enable_compilation_cache
     from kvjax.policies.options import parse_spec
 
-    if args.state is not None:
-        return cmd_generate_from_state(args)
     if args.mesh:  # join the multi-process runtime (kvjax.distributed.launch) before any JAX computation
         from kvjax import distributed as dist
 
         dist.initialize()
+    if args.state is not None:
+        return cmd_generate_from_state(args)
     enable_compilation_cache()
 
     if args.prompt is None and args.prompt_file is None:
@@ -128,13 +128,24 @@ def cmd_generate_from_state(args) -> int:
     name = header["model"]["name"] if args.model == DEFAULT_MODEL and header["model"]["name"] else args.model
     model = kvjax.load_model(name, dtype=header["model"]["dtype"])
     data = parse_policy_options(header["policy"]["name"], args.policy_option)  # fields the spec leaves out
-    saved = kvjax.load_state(args.state, model, extra_tokens=args.extra_tokens, **data)
+    if args.mesh:  # the state's sequences over the mesh's data axis, its kv heads over the model axis
+        from kvjax import distributed as dist
+
+        model, saved = dist.load_state_sharded(args.state, model, mesh=dist.mesh_from_text(args.mesh),
+                                               extra_tokens=args.extra_tokens, **data)
+    else:
+        saved = kvjax.load_state(args.state, model, extra_tokens=args.extra_tokens, **data)
     loaded = time.perf_counter()
     question = "" if args.prompt is None and args.prompt_file is None else _read_prompt(args)
     ids = model.tokenizer(question, add_special_tokens=False)["input_ids"] if question else []
     tokens = kvjax.generate_from_state(model, saved, ids, args.max_new_tokens, temperature=args.temperature,
                                        top_k=args.top_k, top_p=args.top_p, seed=args.seed)[0]
     finished = time.perf_counter()
+    if args.mesh:
+        import jax
+
+        if jax.process_index() != 0:  # every process holds the same tokens: one prints them
+            return 0
     new_ids = [int(t) for t in tokens if t >= 0]
     text = model.tokenizer.decode(new_ids, skip_special_tokens=True)
     if args.json:
@@ -281,8 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--decode-last", type=int, default=0, help="feed the last N prompt tokens as decode steps")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--mesh", default=None, metavar="DATAxMODEL",
-                     help="generate over a device mesh, e.g. 1x8 (heads over 8 devices); over several processes "
-                          "started by python -m kvjax.distributed.launch (docs/sharding.md)")
+                     help="generate over a device mesh, e.g. 1x8 (heads over 8 devices; with --state the saved state "
+                          "loaded there); over several processes started by python -m kvjax.distributed.launch "
+                          "(docs/sharding.md)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--state", default=None, metavar="DIR",
                      help="answer from a state saved by kvjax prefill: the prompt is the question, fed by decode "

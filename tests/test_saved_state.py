@@ -105,9 +105,16 @@ def _flip_byte(path):
     (path / TENSOR_FILE).write_bytes(bytes(data))
 
 
+def _flip_header_byte(path):  # inside the safetensors header: its JSON no longer parses
+    data = bytearray((path / TENSOR_FILE).read_bytes())
+    data[9] = ord("#")
+    (path / TENSOR_FILE).write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("damage,message", [
     (_truncate, "truncated"),
     (_flip_byte, "corrupt \\(checksum"),
+    (_flip_header_byte, "corrupt \\(safetensors header"),
     (lambda p: (p / HEADER_FILE).write_text('{"format": "kvjax.saved_state", "vers'), "corrupt header"),
     (lambda p: os.remove(p / TENSOR_FILE), "state.safetensors is missing"),
 ])
@@ -151,6 +158,26 @@ def test_a_question_past_the_room_is_refused_before_any_work(tiny, saved_snapkv)
     roomy = load_state(saved_snapkv, tiny, extra_tokens=saved.room + 40)  # a wider pool and read bound
     assert roomy.state.num_pages > saved.state.num_pages
     assert generate_from_state(tiny, roomy, QUESTION, saved.room).shape == (1, saved.room)
+
+
+@pytest.mark.slow  # about 30 s of CPU: compiles for one device and for a 2x2 mesh
+def test_a_state_moves_between_one_device_and_a_mesh():
+    """tests/_saved_state_mesh_worker.py on 4 simulated CPU devices (a subprocess: XLA_FLAGS before jax starts)."""
+    import json
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_saved_state_mesh_worker.py")
+    run = subprocess.run([sys.executable, worker], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["devices"] == out["pool_devices"] == 4
+    assert out["pool_shard_shape"][:2] == [1, 1]  # one pool per (data shard, head shard)
+    assert out["loaded_on_mesh_reads_the_same"]  # each head reads the pages it read on one device
+    assert out["saved_on_mesh_reads_the_same"]  # the shards' pools merged into one, exactly
+    assert out["loaded_on_mesh"] == out["reference"] == out["saved_on_mesh"]
+    assert "2 sequences and 2 kv heads cannot split over 4 data" in out["indivisible"]
+    assert out["cli_code"] == 0 and out["cli_mesh"] == out["cli_expected"]
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from kvjax.engine.generation import (
     PrefillPlan,
     prefill_rows,
 )
+from kvjax.engine.saved_state import SavedState, load_state
 from kvjax.engine.step import OneDevice, StepBackend, append_step, compress_step
 from kvjax.models.loading import Model
 from kvjax.policies import Policy
@@ -65,6 +66,17 @@ class MeshPlacement(OneDevice):
         Sd, Sm, b = state.next_position.shape
         state = state.replace(next_position=jnp.broadcast_to(seen.reshape(Sd, 1, b), (Sd, Sm, b)))
         return jax.lax.with_sharding_constraint(state, NamedSharding(self.mesh, state_spec(self.plan)))
+
+    def state_shards(self) -> tuple[int, int]:
+        """(data, head) shards a whole state is split into: rows over the first, kv heads over the second."""
+        return self.plan.data, self.plan.head_shards
+
+    def place_state(self, shards: list[list[KVState]]) -> KVState:
+        """The state the steps hold from each shard's host state (numpy leaves), `shards[d][m]`: stacked
+        (leaves `[Sd, Sm, ...]`) and placed with the state's sharding (`kvjax.load_state` on a mesh)."""
+        stacked = jax.tree.map(lambda *xs: np.stack(xs).reshape(self.state_shards() + xs[0].shape),
+                               *(part for row in shards for part in row))
+        return jax.device_put(stacked, NamedSharding(self.mesh, state_spec(self.plan)))
 
 
 # --------------------------------------------------------------------------------------------- host
@@ -130,6 +142,16 @@ def prefill_sharded(
                                            backend=_backend(mesh, plan))
     state, logits = prefill_rows(model, rows, prefill_plan)
     return state, logits, plan
+
+
+def load_state_sharded(path, model: Model, *, mesh: Mesh, on_indivisible: str = "error",
+                       **options) -> tuple[Model, SavedState]:
+    """`kvjax.load_state` onto `mesh` (`options`: its keywords): each shard holds the pages of its sequences
+    (split over "data") and kv heads (over "model", see `plan_for`) on its own pool. Returns the model placed
+    on `mesh` and the `SavedState`, which `kvjax.generate_from_state(model, saved, ...)` continues there. The
+    saved batch must divide by the data axis. (`kvjax.save_state` takes a state on a mesh as is.)"""
+    model, plan = _placed(model, mesh, on_indivisible)
+    return model, load_state(path, model, backend=_backend(mesh, plan), **options)
 
 
 def generate_sharded(

@@ -19,13 +19,16 @@ import numpy as np
 
 from kvjax.cache.state import CacheCapacityError, KeySketch, KVState, init_state, pages_for
 from kvjax.engine.generation import as_token_row, continue_rows, feed_tokens, policy_or_full
+from kvjax.engine.step import LOCAL_BACKEND, StepBackend
 from kvjax.models.loading import Model
 from kvjax.policies import POLICY_REGISTRY, Policy
+from kvjax.util.tensor_file import TensorFileError, aligned_empty, file_crc32, read_all, read_small, tensor_index
 
 FORMAT, VERSION = "kvjax.saved_state", 1
 HEADER_FILE, TENSOR_FILE = "header.json", "state.safetensors"
 # per-page fields (the scales only exist for int8 pages) and per-sequence fields, as stored
 PAGE_FIELDS = ("k_pages", "v_pages", "kmin", "kmax", "slot_pos", "slot_score", "k_scale", "v_scale")
+POOL_TENSORS = (*PAGE_FIELDS, "key_sketch.codes")  # tensors with a row per saved page
 ROW_FIELDS = ("page_table", "lengths", "hole", "next_position")
 EMPTY_PAGE = {"kmin": np.inf, "kmax": -np.inf, "slot_pos": -1}  # what an unallocated page holds (else 0)
 
@@ -35,14 +38,16 @@ class SavedStateError(ValueError):
 
 
 class SavedState(NamedTuple):
-    """What `load_state` returns: the `state` (B sequences, room for `room` more tokens each), the `policy`
-    that continues it, the `logits f32[B, V]` at each prompt's last token (None if not saved) and the header."""
+    """What `load_state` returns: the `state` (B sequences, room for `room` more tokens each; on a mesh stacked
+    per shard), the `policy` that continues it, the `logits f32[B, V]` at each prompt's last token (None if not
+    saved), the header and the `backend` whose steps continue it (one device, or a mesh's)."""
 
     state: KVState
     policy: Policy
     logits: jax.Array | None
     room: int
     header: dict
+    backend: StepBackend = LOCAL_BACKEND
 
 
 # ------------------------------------------------------------------------------------------ identities
@@ -120,7 +125,7 @@ def _decode_tree(node: dict, tensors: dict) -> Any:
     if kind in ("tuple", "list"):
         items = [_decode_tree(v, tensors) for v in value]
         return tuple(items) if kind == "tuple" else items
-    return jnp.asarray(tensors[value])
+    return tensors[value]
 
 
 # ------------------------------------------------------------------------------------------ room
@@ -155,44 +160,29 @@ def state_room(state: KVState, policy: Policy, context: int) -> int:
 
 def save_state(state: KVState, path: str | os.PathLike, *, model: Model, policy: Policy | None = None,
                logits: jax.Array | None = None, model_name: str | None = None) -> str:
-    """Save `state` (a prefill under `policy` of `model`, B sequences) into directory `path` (replaced): the
-    pages its tables reference (a pool compacted to them), their K/V, scales, min/max, positions and scores,
-    the tables, lengths, holes and next positions, a selector's key sketch, and `logits f32[B, V]` (the
-    prefill's, for a first token sampled before any question). `header.json` records the model's identity
-    (`model_identity`, `model_name` as given to `load_model`), the policy's spec, the layout and the
-    tensors' checksum. Returns the path."""
+    """Save `state` (a prefill under `policy` of `model`, B sequences, on one device or stacked on a mesh by
+    `kvjax.distributed`) into directory `path` (replaced): the pages its tables reference (a pool compacted to
+    them, a mesh's shards merged into one), their K/V, scales, min/max, positions and scores, the tables,
+    lengths, holes and next positions, a selector's key sketch, and `logits f32[B, V]` (the prefill's, for a
+    first token sampled before any question). `header.json` records the model's identity (`model_identity`,
+    `model_name` as given to `load_model`), the policy's spec, the layout and the tensors' checksum. Returns
+    the path."""
     policy = policy_or_full(policy)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
         raise ValueError("save_state takes a concrete state, not one traced inside jit")
-    if int(np.asarray(state.overflow)[0]) != 0:
+    state = whole_state(state)
+    if int(state.overflow[0]) != 0:
         raise ValueError("the state overflowed its capacity (state.overflow is set): it holds an incomplete step")
-    table = np.asarray(state.page_table)
-    used = np.unique(table[table >= 0])
-    remap = np.full(state.num_pages, -1, np.int32)
-    remap[used] = np.arange(used.size, dtype=np.int32)
-    tensors = {"page_table": np.where(table >= 0, remap[np.maximum(table, 0)], -1).astype(np.int32)}
-    taken = jnp.asarray(used)
-    for name in PAGE_FIELDS:
-        array = getattr(state, name)
-        if array is not None:
-            array = array[taken]
-            if array.dtype == jnp.bfloat16:  # pages held as bfloat16 (off CPU): stored as bit patterns
-                array = jax.lax.bitcast_convert_type(array, jnp.uint16) if name.endswith("pages") else array.astype(jnp.float32)
-            tensors[name] = np.asarray(array)
-    for name in ROW_FIELDS[1:]:
-        tensors[name] = np.asarray(getattr(state, name))
-    sketch = None
-    if state.key_sketch is not None:
-        tensors["key_sketch.codes"] = np.asarray(state.key_sketch.codes[taken])
-        sketch = _encode_tree(state.key_sketch.params, "key_sketch.params", tensors)
+    tensors = _compacted(state)
     if logits is not None:
-        tensors["logits"] = np.asarray(logits, np.float32).reshape(table.shape[1], -1)
+        tensors["logits"] = np.asarray(logits, np.float32).reshape(state.page_table.shape[1], -1)
+    sketch = None if state.key_sketch is None else _encode_tree(state.key_sketch.params, "key_sketch.params", tensors)
     header = {
         "format": FORMAT, "version": VERSION, "model": model_identity(model, model_name),
         "policy": policy_spec(policy), "page_size": state.page_size, "page_dtype": state.page_dtype.name,
-        "batch": int(table.shape[1]), "table_width": state.max_pages,
+        "batch": int(state.page_table.shape[1]), "table_width": state.max_pages,
         "read_pages": None if state.read_pages is None else list(state.read_pages), "long_rope": state.long_rope,
-        "pages": int(used.size), "tokens": tensors["next_position"].tolist(),
+        "pages": int(tensors["slot_pos"].shape[0]), "tokens": tensors["next_position"].tolist(),
         "room": state_room(state, policy, model.cfg.max_position_embeddings), "key_sketch": sketch,
     }
     from safetensors.numpy import save_file
@@ -203,7 +193,8 @@ def save_state(state: KVState, path: str | os.PathLike, *, model: Model, policy:
     staging = tempfile.mkdtemp(prefix=".saving-", dir=parent)  # written whole, then moved into place
     try:
         save_file(tensors, os.path.join(staging, TENSOR_FILE))
-        header["checksum"] = _checksum(os.path.join(staging, TENSOR_FILE))
+        written = os.path.join(staging, TENSOR_FILE)
+        header["checksum"] = {"crc32": file_crc32(written), "bytes": os.path.getsize(written)}
         with open(os.path.join(staging, HEADER_FILE), "w") as f:
             json.dump(header, f, indent=1)
         if os.path.isdir(path):
@@ -213,6 +204,65 @@ def save_state(state: KVState, path: str | os.PathLike, *, model: Model, policy:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return path
+
+
+def _compacted(state: KVState) -> dict:
+    """The tensors to save of a whole host state: its pool fields taken at the pages its tables reference, in
+    order, with the tables renumbered to them; its per-sequence fields; a key sketch's codes."""
+    table = state.page_table
+    used = np.unique(table[table >= 0])
+    remap = np.full(state.num_pages, -1, np.int32)
+    remap[used] = np.arange(used.size, dtype=np.int32)
+    tensors = {"page_table": np.where(table >= 0, remap[np.maximum(table, 0)], -1).astype(np.int32)}
+    for name in PAGE_FIELDS:
+        if getattr(state, name) is not None:
+            tensors[name] = getattr(state, name)[used]
+    for name in ROW_FIELDS[1:]:
+        tensors[name] = getattr(state, name)
+    if state.key_sketch is not None:
+        tensors["key_sketch.codes"] = state.key_sketch.codes[used]
+    return tensors
+
+
+def _host(state: KVState) -> KVState:
+    """`state` with numpy leaves; bfloat16 held as such (off CPU): pages as their uint16 bit patterns, their
+    metadata as float32 (exact)."""
+    host = jax.tree.map(np.asarray, state)
+    bfloat16 = {name: getattr(host, name) for name in PAGE_FIELDS
+                if getattr(host, name) is not None and getattr(host, name).dtype == jnp.bfloat16}
+    return host.replace(**{name: x.view(np.uint16) if name.endswith("pages") else x.astype(np.float32)
+                           for name, x in bfloat16.items()})
+
+
+def whole_state(state: KVState) -> KVState:
+    """`state` in host memory (numpy leaves) as one device holds it: a state stacked on a mesh (leaves
+    `[Sd, Sm, ...]`, `kvjax.distributed.state`: one pool per shard, rows split over Sd, heads over Sm) merged
+    into one pool `[Sd * Sm * N, ...]`, its tables `int32[L, B, H, P]` pointing into each shard's part."""
+    host = _host(state)
+    if host.page_table.ndim == 4:
+        return host
+    Sd, Sm, N = host.slot_pos.shape[:3]
+
+    def pool(x):  # [Sd, Sm, N, ...] -> [Sd * Sm * N, ...], shard (d, m) at offset (d * Sm + m) * N
+        return x.reshape(Sd * Sm * N, *x.shape[3:])
+
+    def rows_heads(x):  # [Sd, Sm, L, b, h, ...] -> [L, Sd * b, Sm * h, ...]
+        return np.concatenate([np.concatenate(list(x[d]), axis=2) for d in range(Sd)], axis=1)
+
+    offsets = (np.arange(Sd * Sm).reshape(Sd, Sm) * N)[:, :, None, None, None, None]
+    table = rows_heads(np.where(host.page_table >= 0, host.page_table + offsets, -1))
+    refcount = pool(host.refcount)
+    free = np.flatnonzero(refcount == 0).astype(np.int32)
+    failed = host.overflow.reshape(-1, 3)[host.overflow.reshape(-1, 3)[:, 0] != 0]
+    sketch = host.key_sketch
+    if sketch is not None:
+        sketch = KeySketch(pool(sketch.codes), jax.tree.map(rows_heads, sketch.params))
+    return host.replace(
+        **{name: pool(getattr(host, name)) for name in PAGE_FIELDS if getattr(host, name) is not None},
+        page_table=table, lengths=rows_heads(host.lengths), hole=rows_heads(host.hole),
+        next_position=host.next_position[:, 0].reshape(-1), refcount=refcount,
+        free_pages=np.concatenate([free, np.flatnonzero(refcount)]).astype(np.int32), num_free=np.int32(free.size),
+        overflow=failed[0] if len(failed) else np.zeros(3, np.int32), key_sketch=sketch)
 
 
 def _checksum(file: str) -> dict:
@@ -277,12 +327,15 @@ def continuing_policy(path, header: dict, policy: Policy | None, **policy_data) 
 
 
 def load_state(path: str | os.PathLike, model: Model, *, policy: Policy | None = None, extra_tokens: int | None = None,
-               page_size: int | None = None, page_dtype=None, **policy_data: Any) -> SavedState:
-    """Load the state `save_state` wrote into directory `path`, for `model`, on the default device, with a
-    pool of its pages plus the pages `extra_tokens` more tokens per sequence need (default: the room the
-    saved state had). Refuses by name, before building anything (`SavedStateError`): a missing, truncated or
-    corrupt file, another model, another `page_size` or `page_dtype` than given, a `policy` other than
-    the saved one; a read bound that `extra_tokens` outgrows is widened. Returns a `SavedState`."""
+               page_size: int | None = None, page_dtype=None, backend: StepBackend | None = None,
+               **policy_data: Any) -> SavedState:
+    """Load the state `save_state` wrote into directory `path`, for `model`, with a pool of its pages plus the
+    pages `extra_tokens` more tokens per sequence need (default: the room the saved state had), placed where
+    `backend`'s steps hold a state: one device (default), or a mesh (`kvjax.distributed.load_state_sharded`:
+    each shard its own rows' and heads' pages). Refuses by name, before anything is placed
+    (`SavedStateError`): a missing, truncated or corrupt file, another model, another `page_size` or
+    `page_dtype` than given, a `policy` other than the saved one; a read bound that `extra_tokens` outgrows is
+    widened. Returns a `SavedState`."""
     path = os.fspath(path)
     header = read_header(path)
     file = os.path.join(path, TENSOR_FILE)
@@ -292,68 +345,135 @@ def load_state(path: str | os.PathLike, model: Model, *, policy: Policy | None =
         raise SavedStateError(f"{path}: {TENSOR_FILE} is missing")
     if size != expected["bytes"]:
         raise SavedStateError(f"{file}: truncated or resized ({size} bytes, saved {expected['bytes']})")
-    if _checksum(file)["blake2b"] != expected["blake2b"]:
+    if "blake2b" in expected and _checksum(file)["blake2b"] != expected["blake2b"]:  # states saved before CRC-32
         raise SavedStateError(f"{file}: corrupt (checksum {_checksum(file)['blake2b']}, saved {expected['blake2b']})")
     check_header(path, header, model, page_size, page_dtype)
     policy = continuing_policy(path, header, policy, **policy_data)
     room = header["room"] if extra_tokens is None else extra_tokens
     if room < 0:
         raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
-    from safetensors import SafetensorError, safe_open
-
+    backend = backend or LOCAL_BACKEND
+    placement = backend.placement  # a sharded one (`kvjax.distributed.MeshPlacement`) splits and places shards
     try:
-        with safe_open(file, framework="numpy") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError) as error:
-        raise SavedStateError(f"{file}: corrupt ({error})") from None
-    state = _build_state(model, header, tensors, room, policy)
-    logits = jnp.asarray(tensors["logits"]) if "logits" in tensors else None
-    return SavedState(state, policy, logits, room, header)
+        shards, logits = _read_shards(file, header, model.cfg, room, policy,
+                                      placement.state_shards() if placement.sharded else (1, 1), expected)
+    except TensorFileError as error:
+        raise SavedStateError(str(error)) from None
+    # on one device the host arrays become the device's as they are (XLA:CPU shares their aligned memory)
+    state = placement.place_state(shards) if placement.sharded else jax.device_put(shards[0][0])
+    return SavedState(state, policy, None if logits is None else backend.put(logits), room, header, backend)
 
 
-def _build_state(model: Model, header: dict, tensors: dict, room: int, policy: Policy) -> KVState:
-    """The saved pages on a pool with the free pages `room` more tokens per sequence need, in the layout
-    `init_state` gives on this backend, table and read bounds widened where `room` outgrows them."""
-    lengths, ps, used = tensors["lengths"], header["page_size"], header["pages"]
-    L, B, H = lengths.shape
-    width = header["table_width"]
+class _Shard(NamedTuple):
+    """One shard's part of a saved state: its tensors (the pool's restricted to `pages`, its pages in the
+    saved pool, None for all) and its pool's layout."""
+
+    tensors: dict
+    pages: np.ndarray | None
+    read_pages: tuple | None
+    width: int
+    num_pages: int  # pages its saved part and its room need
+
+
+def _shard(header: dict, small: dict, room: int, policy: Policy, rows: slice, heads: slice, whole: bool) -> _Shard:
+    tensors = {name: x[:, rows, heads] if name in ("page_table", "lengths", "hole") or name.startswith("key_sketch.params")
+               else x[rows] if name == "next_position" else x for name, x in small.items() if name != "logits"}
+    pages = None
+    if not whole:
+        table = tensors["page_table"]
+        pages = np.unique(table[table >= 0])
+        remap = np.full(header["pages"], -1, np.int32)
+        remap[pages] = np.arange(pages.size, dtype=np.int32)
+        tensors["page_table"] = np.where(table >= 0, remap[np.maximum(table, 0)], -1).astype(np.int32)
+    used = header["pages"] if whole else pages.size
+    lengths, ps = tensors["lengths"], header["page_size"]
     grown = pages_for(lengths + growth_tokens(policy, lengths, room), ps)  # [L, B, H] pages each head may reach
     read_pages = header["read_pages"]
     if read_pages is not None:
         read_pages = tuple(max(bound, int(grown[l].max())) if _grows(policy, l) else bound
                            for l, bound in enumerate(read_pages))
-    width = max([width, int(grown.max())] if read_pages is None else [width, *read_pages])
-    num_pages = used + int((grown - pages_for(lengths, ps)).sum())
-    template = jax.eval_shape(lambda: init_state(model.cfg, B, width * ps, ps, max(num_pages, 1),
-                                                 jnp.dtype(header["page_dtype"]), header["long_rope"]))
-    fields = {}
-    for name in PAGE_FIELDS:
-        like = getattr(template, name)
-        if like is None:
-            continue
-        saved = tensors[name]
-        if like.dtype == jnp.bfloat16 and saved.dtype == np.uint16:
-            saved = saved.view(jnp.bfloat16)
-        array = np.full(like.shape, EMPTY_PAGE.get(name, 0), like.dtype)
-        array[:used] = saved.astype(like.dtype)
-        fields[name] = array
-    table = np.full((L, B, H, width), -1, np.int32)
-    table[..., : header["table_width"]] = tensors["page_table"]
-    N = fields["k_pages"].shape[0]
-    refcount = np.bincount(table[table >= 0], minlength=N).astype(np.int32)
-    state = KVState(
-        **{name: jnp.asarray(array) for name, array in fields.items()}, page_table=jnp.asarray(table),
-        lengths=jnp.asarray(lengths), hole=jnp.asarray(tensors["hole"]),
-        next_position=jnp.asarray(tensors["next_position"]),
-        free_pages=jnp.asarray(np.concatenate([np.arange(N - 1, used - 1, -1), np.arange(used)]).astype(np.int32)),
-        num_free=jnp.asarray(N - used, jnp.int32), refcount=jnp.asarray(refcount), overflow=jnp.zeros((3,), jnp.int32),
-        long_rope=header["long_rope"], read_pages=read_pages,
-    )
+    width = max([header["table_width"], int(grown.max())] if read_pages is None else [header["table_width"], *read_pages])
+    return _Shard(tensors, pages, read_pages, width, used + int((grown - pages_for(lengths, ps)).sum()))
+
+
+def _read_shards(file: str, header: dict, cfg, room: int, policy: Policy, shards: tuple[int, int],
+                 expected: dict) -> tuple[list[list[KVState]], np.ndarray | None]:
+    """The host states (numpy) of each of `shards = (Sd, Sm)` shards, `[d][m]`: rows split over Sd, kv heads
+    over Sm, each on a pool of its own pages plus its room, all pools one size; and the saved `logits f32[B, V]`
+    or None. The file is read once, the pool tensors of one whole state straight into its pool; its CRC-32 is
+    checked before anything is returned."""
+    _, entries = tensor_index(file)
+    small = read_small(file, entries, [name for name in entries if name not in POOL_TENSORS])
+    L, B, H = small["lengths"].shape
+    table, ps = small["page_table"], header["page_size"]
+    if (table.min(initial=0) < -1 or table.max(initial=-1) >= header["pages"] or small["lengths"].min(initial=0) < 0
+            or small["lengths"].max(initial=0) > header["table_width"] * ps):
+        crc = file_crc32(file)  # before sizing a pool by them: a damaged file, or a file not written by save_state
+        raise SavedStateError(f"{file}: corrupt (checksum CRC-32 {crc}, saved {expected.get('crc32')})" if crc != expected.get("crc32")
+                              else f"{file}: corrupt (page table or lengths out of range)")
+    Sd, Sm = shards
+    if B % Sd or H % Sm:
+        raise ValueError(f"a saved state of {B} sequences and {H} kv heads cannot split over {Sd} data and {Sm} "
+                         "head shards: each must divide its count")
+    b, h, whole = B // Sd, H // Sm, Sd * Sm == 1
+    parts = [[_shard(header, small, room, policy, slice(d * b, d * b + b), slice(m * h, m * h + h), whole)
+              for m in range(Sm)] for d in range(Sd)]
+    N = max(1, *(part.num_pages for row in parts for part in row))
+    local = dataclasses.replace(cfg, num_heads=cfg.num_heads // Sm, num_kv_heads=H // Sm)
+    width = max(part.width for row in parts for part in row)  # one table width: the shards stack
+    template = jax.eval_shape(lambda: init_state(local, b, width * ps, ps, N, jnp.dtype(header["page_dtype"]),
+                                                 header["long_rope"]))
+    pools = [[{name: aligned_empty(getattr(template, name).shape, getattr(template, name).dtype) for name in PAGE_FIELDS
+               if getattr(template, name) is not None} for _ in range(Sm)] for _ in range(Sd)]
     if header["key_sketch"] is not None:
-        codes = tensors["key_sketch.codes"]
-        codes = np.concatenate([codes, np.zeros((N - used, *codes.shape[1:]), codes.dtype)])
-        state = state.replace(key_sketch=KeySketch(jnp.asarray(codes), _decode_tree(header["key_sketch"], tensors)))
-    return state
+        codes = entries["key_sketch.codes"]
+        for row in pools:
+            for pool in row:
+                pool["key_sketch.codes"] = aligned_empty((N, *codes.shape[1:]), codes.dtype)
+    used = header["pages"]
+
+    def into(name: str, entry) -> np.ndarray | None:  # one whole state: its saved pool rows read in place
+        target = pools[0][0].get(name) if whole else None
+        if target is None or target.dtype.itemsize != entry.dtype.itemsize or (
+                target.dtype != entry.dtype and target.dtype != jnp.bfloat16):
+            return small.get(name)
+        return target[:used].view(entry.dtype)
+
+    arrays, crc = read_all(file, entries, into)
+    if "crc32" in expected and crc != expected["crc32"]:
+        raise SavedStateError(f"{file}: corrupt (checksum CRC-32 {crc}, saved {expected['crc32']})")
+    states = [[None] * Sm for _ in range(Sd)]
+    for d, m in np.ndindex(Sd, Sm):
+        part, pool = parts[d][m], pools[d][m]
+        states[d][m] = _assembled(header, part, pool, arrays, used if whole else part.pages.size, width, b, h)
+    return states, small.get("logits")
+
+
+def _assembled(header: dict, part: _Shard, pool: dict, arrays: dict, used: int, width: int, b: int, h: int) -> KVState:
+    """One shard's host state: its pool rows filled (those not read in place copied from `arrays`), the rest
+    empty pages, its table widened to `width` and its free stack, refcounts and sketch set."""
+    for name, array in pool.items():
+        saved = arrays[name]
+        if not np.may_share_memory(saved, array):  # not read in place
+            if array.dtype == jnp.bfloat16 and saved.dtype == np.uint16:
+                saved = saved.view(jnp.bfloat16)
+            array[:used] = saved if part.pages is None else saved[part.pages]
+        array[used:] = EMPTY_PAGE.get(name, 0)
+    tensors = part.tensors
+    L = tensors["lengths"].shape[0]
+    table = np.full((L, b, h, width), -1, np.int32)
+    table[..., : header["table_width"]] = tensors["page_table"]
+    N = pool["k_pages"].shape[0]
+    refcount = np.bincount(table[table >= 0], minlength=N).astype(np.int32)
+    sketch = None
+    if header["key_sketch"] is not None:
+        sketch = KeySketch(pool.pop("key_sketch.codes"), _decode_tree(header["key_sketch"], tensors))
+    return KVState(
+        **pool, page_table=table, lengths=tensors["lengths"], hole=tensors["hole"], next_position=tensors["next_position"],
+        free_pages=np.concatenate([np.arange(N - 1, used - 1, -1), np.arange(used)]).astype(np.int32),
+        num_free=np.int32(N - used), refcount=refcount, overflow=np.zeros((3,), np.int32), key_sketch=sketch,
+        long_rope=header["long_rope"], read_pages=part.read_pages,
+    )
 
 
 # ------------------------------------------------------------------------------------------ decode
@@ -365,7 +485,7 @@ def question_fed(model: Model, saved: SavedState, question_ids: Sequence[int] | 
     sequence, or one per sequence) fed by decode, as `generate(..., decode_last=N)` feeds a prompt's last N
     tokens. The saved state is not changed. Raises `CacheCapacityError` before any work when the question
     and `max_new_tokens` more need more than the state's room."""
-    B = saved.state.next_position.shape[0]
+    B = saved.header["batch"]
     rows = list(question_ids)
     rows = [rows] * B if not rows or np.ndim(rows[0]) == 0 else rows
     if len(rows) != B:
@@ -381,8 +501,8 @@ def question_fed(model: Model, saved: SavedState, question_ids: Sequence[int] | 
             f"tokens, the loaded state has room for {saved.room}; load it with extra_tokens={needed}",
             pages_for(needed, saved.state.page_size), pages_for(saved.room, saved.state.page_size))
     state = jax.tree.map(jnp.copy, saved.state)  # decode donates its state: the saved one serves many questions
-    logits = jnp.zeros((B, model.cfg.vocab_size), jnp.float32) if saved.logits is None else saved.logits
-    return feed_tokens(model, state, logits, rows, saved.policy)
+    logits = saved.backend.put(np.zeros((B, model.cfg.vocab_size), np.float32)) if saved.logits is None else saved.logits
+    return feed_tokens(model, state, logits, rows, saved.policy, saved.backend)
 
 
 def generate_from_state(model: Model, saved: SavedState, question_ids: Sequence[int] | Sequence[Sequence[int]] = (),
@@ -390,8 +510,8 @@ def generate_from_state(model: Model, saved: SavedState, question_ids: Sequence[
     """Feed `question_ids` to a copy of the saved state (`question_fed`), then sample up to `max_new_tokens`:
     `int32[B, max_new_tokens]`, as `generate` returns (`sampling`: `continue_rows`'s options)."""
     state, logits = question_fed(model, saved, question_ids, max_new_tokens)
-    no_tail = [np.zeros((0,), np.int32)] * state.next_position.shape[0]
-    return continue_rows(model, state, logits, no_tail, max_new_tokens, saved.policy, **sampling)
+    no_tail = [np.zeros((0,), np.int32)] * saved.header["batch"]
+    return continue_rows(model, state, logits, no_tail, max_new_tokens, saved.policy, backend=saved.backend, **sampling)
 
 
 __all__ = ["SavedState", "SavedStateError", "generate_from_state", "load_state", "model_identity", "policy_from_spec",
