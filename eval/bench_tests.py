@@ -1,0 +1,91 @@
+"""How long the test suite takes: the README's `python -m pytest` (quick) or CI's whole set, timed in a fresh process.
+
+    python -m eval.bench_tests --out eval/results/tests               # the quick suite
+    python -m eval.bench_tests --whole --out eval/results/tests       # KVJAX_TEST_HEAVY=1 (CI's set)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import time
+
+from ._report import cpu_load, default_out, machine_info, markdown_table, write_outputs
+
+# pytest's summary ("802 passed, 17 skipped, 1 failed, 60 deselected in 1106.3s") and its --durations rows
+# ("12.34s call     tests/test_x.py::test_y[case]")
+_COUNT = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed|warnings?)\b")
+_DURATION = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S+)")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse(output: str) -> dict:
+    """pytest's counts and per-file seconds (setup, call and teardown summed; `--durations=0`) from its output."""
+    summary = [line for line in output.splitlines() if _COUNT.search(line) and " in " in line]
+    counts = {}
+    if summary:
+        for number, word in _COUNT.findall(summary[-1]):
+            counts[word.rstrip("s") if word.startswith(("error", "warning")) else word] = int(number)
+    by_file: dict[str, float] = collections.defaultdict(float)
+    tests = []
+    for line in output.splitlines():
+        m = _DURATION.match(line)
+        if m:
+            seconds, phase, test = float(m.group(1)), m.group(2), m.group(3)
+            by_file[test.split("::")[0]] += seconds
+            tests.append({"test": test, "phase": phase, "s": seconds})
+    tests.sort(key=lambda t: -t["s"])
+    return {"counts": counts, "files_s": dict(sorted(by_file.items(), key=lambda kv: -kv[1])),
+            "slowest": tests[:15]}
+
+
+def run(whole: bool) -> dict:
+    """Run the suite in a fresh process from the repository root; its wall time, counts and durations."""
+    env = dict(os.environ)
+    env.pop("KVJAX_TEST_HEAVY", None)
+    if whole:
+        env["KVJAX_TEST_HEAVY"] = "1"
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--durations=0", "--durations-min=0.5"]
+    load_before = cpu_load()
+    started = time.perf_counter()
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    parsed = parse(proc.stdout)
+    return {"set": "whole (KVJAX_TEST_HEAVY=1)" if whole else "quick (python -m pytest)",
+            "command": " ".join(["KVJAX_TEST_HEAVY=1"] * whole + ["python -m pytest"]),
+            "returncode": proc.returncode, "wall_s": round(wall, 1), "cpu_load_before": load_before,
+            "cpu_load_after": cpu_load(), "machine": machine_info(), **parsed,
+            "tail": proc.stdout.splitlines()[-3:]}
+
+
+def render(payload: dict) -> str:
+    counts = ", ".join(f"{n} {word}" for word, n in payload["counts"].items())
+    lines = [f"**{payload['set']}**: {payload['wall_s'] / 60:.1f} minutes ({payload['wall_s']:.0f} s), {counts}; "
+             f"exit status {payload['returncode']}. {payload['machine'].get('cpu_model', '')}, "
+             f"{payload['machine']['cpu_count']} cores; load average (1, 5, 15 min) before / after: "
+             f"{payload['cpu_load_before']} / {payload['cpu_load_after']}.", ""]
+    files = list(payload["files_s"].items())[:10]
+    total = sum(payload["files_s"].values())
+    lines.append(markdown_table(["the ten slowest files", "seconds (setup + call + teardown, summed over the "
+                                 "workers)", "share"], [(f"`{f}`", round(s), f"{s / total:.0%}") for f, s in files]))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--whole", action="store_true", help="CI's whole set (KVJAX_TEST_HEAVY=1), not the quick suite")
+    parser.add_argument("--out", default=default_out("tests"))
+    args = parser.parse_args(argv)
+    payload = run(args.whole)
+    name = "whole_set" if args.whole else "quick_suite"
+    write_outputs(args.out, name, payload, render(payload))
+    print(render(payload))
+    return payload
+
+
+if __name__ == "__main__":
+    main()
