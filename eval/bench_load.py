@@ -103,7 +103,7 @@ def run_load(model, trace, args) -> dict:
             results = list(pool.map(lambda r: ask(client, args.model, *r), trace))
         wall = time.perf_counter() - start
         engine = server.app.state.worker.engine
-        leaked = engine.leaked_pages + sum(b.state.num_pages - int(b.state.num_free) for b in engine.batches.values())
+        leaked = engine.leaked_pages + sum(b.pool.live_pages() for b in engine.batches.values())
     finally:
         server.stop()
     done = [r for r in results if r["error"] is None and r["finish"] is not None]

@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cache", ("kvjax.cache",)),  # the paged state and attention over it; knows no method
     ("policies", ("kvjax.policies",)),  # Locret's heads included: the policy runs them
     ("engine", ("kvjax.engine",)),  # the one step and what drives it
-    ("subsystems", ("kvjax.serving", "kvjax.jenga", "kvjax.rag", "kvjax.distributed", "kvjax.locret")),  # apart
+    ("page pool", ("kvjax.jenga",)),  # Jenga's host-side allocator: the batch engine's pages come from it
+    ("subsystems", ("kvjax.serving", "kvjax.rag", "kvjax.distributed", "kvjax.locret")),  # apart
     ("api", ("kvjax",)),  # the package's public names (kvjax/__init__.py)
     ("programs", ("kvjax.eval", "kvjax.train")),  # use the library's public modules
     ("command line", ("kvjax.cli",)),  # runs the programs by module name (importlib), never by import

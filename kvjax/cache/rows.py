@@ -85,6 +85,68 @@ def insert_row(batch: KVState, row: KVState, slot: jax.Array, share_from: jax.Ar
     )
 
 
+def _reset_pages(batch: KVState, pages: jax.Array) -> KVState:
+    """`batch` with the metadata of `pages int32[K]` (N = none) emptied, as `allocate_for_append` leaves a
+    page it takes: no slot, an empty min/max, no score."""
+    return batch.replace(
+        kmin=batch.kmin.at[pages].set(jnp.inf, mode="drop"), kmax=batch.kmax.at[pages].set(-jnp.inf, mode="drop"),
+        slot_pos=batch.slot_pos.at[pages].set(-1, mode="drop"),
+        slot_score=batch.slot_score.at[pages].set(0.0, mode="drop"),
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("batch",))
+def place_row(batch: KVState, row: KVState, slot: jax.Array, table: jax.Array, copy: jax.Array,
+              fresh: jax.Array) -> KVState:
+    """Put sequence 0 of `row` into row `slot` (int32[]) of `batch` on pages chosen outside (the batch
+    engine's Jenga pool): `table int32[L, H, P]` is the row's page table in `batch` (-1: none), `copy
+    bool[L, H, P]` marks the logical pages whose slots are copied from `row`'s page at the same place (the
+    others are shared pages already holding them, or pages placed ahead for growth), and `fresh int32[K]`
+    lists the pages new to the row (padded with `batch.num_pages`), whose metadata is emptied first. Copies
+    what `insert_row` copies; the free stack and refcounts are not used. Donates `batch`."""
+    N, P = batch.num_pages, batch.max_pages
+    if batch.page_table.shape[0] != row.page_table.shape[0] or batch.page_size != row.page_size:
+        raise ValueError(f"a row of page table {row.page_table.shape} and page size {row.page_size} does not fit a "
+                         f"batch of {batch.page_table.shape} and page size {batch.page_size}")
+    if batch.k_pages.dtype != row.k_pages.dtype:
+        raise ValueError(f"row pages are {row.k_pages.dtype}, the batch's {batch.k_pages.dtype}")
+    source = row.page_table[:, 0, :, :P]
+    source = jnp.pad(source, ((0, 0), (0, 0), (0, P - source.shape[-1])), constant_values=-1).reshape(-1)
+    moved = copy.reshape(-1) & (source >= 0) & (table.reshape(-1) >= 0)
+    dst = jnp.where(moved, table.reshape(-1), N)
+    src = jnp.clip(source, 0, row.num_pages - 1)
+    batch = _reset_pages(batch, fresh)
+    copies = {name: getattr(batch, name).at[dst].set(getattr(row, name)[src], mode="drop")
+              for name in _PAGE_FIELDS if getattr(batch, name) is not None}
+    keep = lambda new, old: new  # noqa: E731
+    return batch.replace(
+        **copies,
+        key_sketch=_inserted_sketch(batch, row, dst, src, slot, keep),
+        page_table=batch.page_table.at[:, slot].set(table),
+        lengths=batch.lengths.at[:, slot].set(row.lengths[:, 0]),
+        hole=batch.hole.at[:, slot].set(row.hole[:, 0]),
+        next_position=batch.next_position.at[slot].set(row.next_position[0]),
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("batch",))
+def place_pages(batch: KVState, table: jax.Array, fresh: jax.Array) -> KVState:
+    """`batch` with page table `table int32[L, B, H, P]` (pages placed ahead for the next steps' tokens)
+    and the metadata of its `fresh int32[K]` pages (padded with `batch.num_pages`) emptied. Donates `batch`."""
+    return _reset_pages(batch, fresh).replace(page_table=table)
+
+
+@functools.partial(jax.jit, donate_argnames=("batch",))
+def clear_row(batch: KVState, slot: jax.Array) -> KVState:
+    """Empty row `slot` (int32[]) without touching its pages: whoever placed them takes them back."""
+    return batch.replace(
+        page_table=batch.page_table.at[:, slot].set(-1),
+        lengths=batch.lengths.at[:, slot].set(0),
+        hole=batch.hole.at[:, slot].set(-1),
+        next_position=batch.next_position.at[slot].set(0),
+    )
+
+
 def _inserted_sketch(batch: KVState, row: KVState, dst, src, slot, keep) -> KeySketch | None:
     """`batch`'s key sketch with sequence 0 of `row`'s copied in: code rows of the copied pages at `dst`,
     the row's fit (params `[L, 1, H, ...]`) at `slot` (params `[L, B, H, ...]`)."""
@@ -143,12 +205,8 @@ def release_row(batch: KVState, slot: jax.Array) -> KVState:
     N = batch.num_pages
     refcount = batch.refcount.at[jnp.where(held, table, N)].add(-1, mode="drop")
     batch = push_free(batch.replace(refcount=refcount), table, held & (refcount[jnp.clip(table, 0, N - 1)] <= 0))
-    return batch.replace(
-        page_table=batch.page_table.at[:, slot].set(-1),
-        lengths=batch.lengths.at[:, slot].set(0),
-        hole=batch.hole.at[:, slot].set(-1),
-        next_position=batch.next_position.at[slot].set(0),
-    )
+    return clear_row(batch, slot)
 
 
-__all__ = ["empty_like", "insert_row", "narrow_row", "pages_held", "release_row"]
+__all__ = ["clear_row", "empty_like", "insert_row", "narrow_row", "pages_held", "place_pages", "place_row",
+           "release_row"]

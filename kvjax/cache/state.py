@@ -203,14 +203,17 @@ def allocate_for_append(state: KVState, num_new: jax.Array, max_new_tokens: int)
     """Allocate the pages every (layer, sequence, head) needs to append `num_new int32[B]` slots.
 
     `max_new_tokens` is a static bound on `num_new`. Returns the state and `ok` (bool[]); when not ok no
-    page is taken, the page tables are unchanged and `state.overflow` records the first failure.
+    page is taken, the page tables are unchanged and `state.overflow` records the first failure. Logical
+    pages already in the table past a head's length (placed ahead by an allocator outside the step, as the
+    batch engine's Jenga pool does) are used as they are: no page is taken from the free stack for them.
     """
     ps, N = state.page_size, state.num_pages
     L, B, H, P = state.page_table.shape
-    used = pages_for(state.lengths, ps)  # [L, B, H]
+    # pages in use or placed ahead: a head's table is filled from its first logical page on
+    used = jnp.maximum(pages_for(state.lengths, ps), jnp.sum(state.page_table >= 0, axis=-1))  # [L, B, H]
     fills_hole = ((state.hole >= 0) & (num_new[None, :, None] > 0)).astype(jnp.int32)
     new_used = pages_for(state.lengths + num_new[None, :, None] - fills_hole, ps)
-    need = (new_used - used).reshape(-1)  # [L*B*H]
+    need = jnp.maximum(new_used - used, 0).reshape(-1)  # [L*B*H]
     total = jnp.sum(need)
     limit = jnp.asarray([state.layer_read_pages(l) for l in range(L)], jnp.int32)[:, None, None]
     fits_table = jnp.all(new_used <= limit)

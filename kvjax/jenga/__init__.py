@@ -22,6 +22,7 @@ from kvjax.jenga.specs import (
     FullAttentionSpec,
     GroupSpec,
     QuestMetadataSpec,
+    RingWindowSpec,
     SlidingWindowSpec,
     UniformPagingSpec,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "QuestMetadataSpec",
     "ROOT_HASH",
     "RequestTooLargeError",
+    "RingWindowSpec",
     "SlidingWindowSpec",
     "StalePrefixHitError",
     "UniformPagingSpec",

@@ -212,13 +212,15 @@ class JengaAllocator:
     # =================================================================================================
     # Prefix hits
     # =================================================================================================
-    def get_computed_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
-        """The longest prefix of `token_ids` whose cache every group can reuse (at most
-        len(token_ids) - 1 tokens, so one token is always computed), with its pages per group."""
+    def get_computed_prefix(self, token_ids: Sequence[int], *, max_tokens: int | None = None,
+                            alignment: int | None = None) -> PrefixHit:
+        """The longest prefix of `token_ids` whose cache every group can reuse (at most `max_tokens`,
+        default len(token_ids) - 1 so one token is always computed; a multiple of `alignment` when given),
+        with its pages per group."""
         token_ids = list(token_ids)
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return PrefixHit(0, {s.name: () for s in self.specs}, (), ())
-        length, hashes, pages, shared = self._cache.find_hit(token_ids)
+        length, hashes, pages, shared = self._cache.find_hit(token_ids, max_tokens, alignment)
         return PrefixHit(
             num_tokens=length,
             pages={spec.name: tuple(p) for spec, p in zip(self.specs, pages)},
@@ -309,6 +311,8 @@ class JengaAllocator:
     def _check_hit_is_current(self, request_id: str, hit: PrefixHit) -> None:
         for group, spec in enumerate(self.specs):
             pages = [p for p in hit.pages.get(spec.name, ()) if p >= 0]
+            if not spec.caches_prefix:
+                continue
             if hit.num_tokens and not spec.is_positional:
                 expected = self._cache.lookup(group, self._cache.hash_at(hit.block_hashes, hit.num_tokens))
                 if expected is None or tuple(pages) != expected:
@@ -407,9 +411,98 @@ class JengaAllocator:
                         1 for p in pages if p < 0
                     )
                     request.num_registered[group] = hit.num_tokens // spec.tokens_per_page
-                else:
+                elif spec.caches_prefix:
                     request.kept[group] = self._hit_kept_slots(group, hit)
         return request
+
+    # =================================================================================================
+    # Pages by block count (the batch engine)
+    # =================================================================================================
+    def reserve(self, request_id: str, blocks: Mapping[str, int], prefix_hit: PrefixHit | None = None
+                ) -> Allocation | None:
+        """Grows the request's table of each named group to at least `blocks[group]` pages: how the batch
+        engine allocates, from the slots its rows' layers and heads really hold (compressed, in a window or
+        growing one token a step), not from token positions. A request's first call may pass the PrefixHit
+        of `get_computed_prefix`: its positional groups then start with the hit's pages (shared and
+        refcounted, counted in `blocks`), and the prefix's tokens count as computed.
+
+        Returns the new pages per group, or None with nothing changed when the pool cannot hold them now
+        (evicting cached prefixes first); raises RequestTooLargeError when even an empty pool could not."""
+        unknown = set(blocks) - {s.name for s in self.specs}
+        if unknown:
+            raise KeyError(f"request {request_id!r}: unknown groups {sorted(unknown)}; groups are "
+                           f"{[s.name for s in self.specs]}")
+        request = self._requests.get(request_id)
+        if request is not None and prefix_hit is not None:
+            raise ValueError(f"request {request_id!r}: prefix_hit is only for a request's first reserve")
+        hit = prefix_hit if (request is None and prefix_hit is not None and prefix_hit.num_tokens > 0) else None
+        if hit is not None:
+            self._check_hit_is_current(request_id, hit)
+            if any(not s.is_positional and s.caches_prefix for s in self.specs):
+                raise ValueError(f"request {request_id!r}: reserve takes hits on positional groups only")
+        counts, live_after = [], []
+        for group, spec in enumerate(self.specs):
+            wanted = int(blocks.get(spec.name, 0))
+            if wanted < 0:
+                raise ValueError(f"request {request_id!r}: blocks[{spec.name!r}] must be >= 0, got {wanted}")
+            if request is not None:
+                have, dead = len(request.tables[group]), request.num_dead[group]
+            elif hit is not None and spec.is_positional:
+                have, dead = len(hit.pages[spec.name]), sum(1 for p in hit.pages[spec.name] if p < 0)
+            else:
+                have = dead = 0
+            counts.append(max(0, wanted - have))
+            live_after.append(max(wanted, have) - dead)
+        self._check_fits(request_id, request, hit, 0, live_after)
+        if request is not None and not any(counts):
+            return Allocation({s.name: () for s in self.specs})
+        journal = self._journal
+        journal.begin()
+        try:
+            self._pool.clock += 1
+            if request is None:
+                request = self._create_request(request_id, hit)
+            pages = self._take_pages(request, counts)
+            if pages is None:
+                journal.rollback()
+                return None
+            for group in range(len(self.specs)):
+                self._extend_table(request, group, pages[group])
+            journal.commit()
+        except BaseException:
+            if journal.is_open:
+                journal.rollback()
+            raise
+        return Allocation({s.name: tuple(p) for s, p in zip(self.specs, pages)})
+
+    def register_prefix(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Offers the request's pages of `token_ids` (the tokens its first pages hold, whole blocks of them)
+        to the prefix cache, in every positional group that caches: once the request is freed they stay,
+        evictable, for the next request with the same prefix (`get_computed_prefix`)."""
+        request = self._request(request_id)
+        token_ids = [int(t) for t in token_ids]
+        if not self.enable_prefix_caching:
+            return
+        if token_ids[: len(request.token_ids)] != request.token_ids[: len(token_ids)]:
+            raise ValueError(f"request {request_id!r}: token_ids disagree with the tokens it holds")
+        if len(token_ids) > len(request.token_ids):
+            request.token_ids = token_ids
+        request.num_computed = request.num_scheduled = max(request.num_computed, len(token_ids))
+        self._extend_hashes(request)
+        for group, spec in enumerate(self.specs):
+            if spec.is_positional and spec.caches_prefix:
+                blocks = min(len(token_ids) // spec.tokens_per_page, len(request.tables[group]))
+                self._register_blocks(request, group, spec, blocks)
+
+    def _register_blocks(self, request: _Request, group: int, spec: GroupSpec, full_blocks: int) -> None:
+        """Caches the request's pages of `group` for blocks not yet offered, up to `full_blocks`."""
+        tpp, table = spec.tokens_per_page, request.tables[group]
+        for block in range(request.num_registered[group], full_blocks):
+            page = table[block]
+            if page >= 0:
+                end = (block + 1) * tpp
+                self._cache.register(group, (page,), self._cache.hash_at(request.block_hashes, end), end)
+        request.num_registered[group] = max(request.num_registered[group], full_blocks)
 
     def _pin_snapshot_sources(self, hit: PrefixHit | None) -> list[tuple[int, int]]:
         """References a snapshot hit's pages for the duration of allocate, so the eviction that makes
@@ -612,12 +705,7 @@ class JengaAllocator:
         table = request.tables[group]
         full_blocks = num_tokens // tpp
         if self.enable_prefix_caching:
-            for block in range(request.num_registered[group], full_blocks):
-                page = table[block]
-                if page >= 0:
-                    end = (block + 1) * tpp
-                    self._cache.register(group, (page,), self._cache.hash_at(request.block_hashes, end), end)
-            request.num_registered[group] = max(request.num_registered[group], full_blocks)
+            self._register_blocks(request, group, spec, full_blocks)
         first_needed_block = spec.first_needed_token(num_tokens) // tpp
         align = self.align_early_released and self.enable_prefix_caching
         release_time = HELD_BY_RUNNING + self._pool.clock if align else None

@@ -3,6 +3,7 @@ rules combined into the longest prefix valid for every group, and eviction align
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -144,10 +145,11 @@ class PrefixCache:
                 self.unregister(other, block_hash)
 
     # --- hits -----------------------------------------------------------------------------------------
-    def find_hit(self, token_ids: Sequence[int], max_tokens: int | None = None):
+    def find_hit(self, token_ids: Sequence[int], max_tokens: int | None = None, alignment: int | None = None):
         """(hit length, base-block hashes of token_ids, per-group page lists, full-attention match length)
         for the longest reusable prefix of `token_ids`, at most `max_tokens` (default len(token_ids) - 1:
-        the last token is always computed so the step yields logits)."""
+        the last token is always computed so the step yields logits), a multiple of `alignment` as well as
+        of the groups' page lengths (the engine's chunk: only whole chunks are prefilled alike)."""
         hashes = self.block_hashes(token_ids)
         limit = len(token_ids) - 1 if max_tokens is None else min(max_tokens, len(token_ids))
         limit = min(limit, len(hashes) * self.base_tokens)
@@ -164,7 +166,8 @@ class PrefixCache:
             return is_cached
 
         lookups = [cached_fn(g) for g in range(len(self.specs))]
-        length = longest_common_hit(self.specs, max(limit, 0), lookups, self.alignment)
+        step = self.alignment if alignment is None else math.lcm(self.alignment, alignment)
+        length = longest_common_hit(self.specs, max(limit, 0), lookups, step)
         pages = [self._hit_pages(g, hashes, length) for g in range(len(self.specs))]
         shared = max(limit, 0)
         for group, spec in enumerate(self.specs):
@@ -176,7 +179,7 @@ class PrefixCache:
 
     def _hit_pages(self, group: int, hashes: Sequence[bytes], length: int) -> list[int]:
         spec = self.specs[group]
-        if length == 0:
+        if length == 0 or not spec.caches_prefix:
             return []
         if not spec.is_positional:
             return list(self.page_of_hash[group][self.hash_at(hashes, length)])

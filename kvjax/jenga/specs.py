@@ -45,6 +45,7 @@ class GroupSpec:
     tokens_per_page: int
     is_positional: ClassVar[bool] = True
     requires_full_prefix: ClassVar[bool] = True
+    caches_prefix: ClassVar[bool] = True  # False: the group's pages are a request's own, never cached or shared
 
     # --- memory ---------------------------------------------------------------------------------------
     @property
@@ -257,6 +258,27 @@ class BudgetedSpec(_KVLayout):
         while length > 0 and not is_cached(length):
             length -= self.snapshot_every
         return max(length, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RingWindowSpec(_KVLayout):
+    """Sliding-window layers kept as a ring, as kvjax's batch engine runs them: each head holds at most its
+    last `window` slots, and a new token fills the slot the oldest one left, so the group's pages stop
+    growing at ceil(window / tokens_per_page) and are rewritten in place as the window moves. Those pages
+    are the request's own (never cached or shared); a prefix hit needs nothing from them, since every
+    request brings its window from its own prefill (or from a prefill carry that holds the window)."""
+
+    window: int
+    is_positional: ClassVar[bool] = False
+    requires_full_prefix: ClassVar[bool] = False
+    caches_prefix: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(f"RingWindowSpec {self.name!r}", window=self.window)
+
+    def largest_hit(self, limit: int, is_cached: Callable[[int], bool]) -> int:
+        return limit
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,9 @@ from kvjax.util.disk_tier import DiskTier
 from kvjax.util.lru import BytesLRU
 from kvjax.policies import Policy
 from kvjax.models.rope import uses_long_factors
-from kvjax.cache.rows import insert_row, release_row
+from kvjax.cache.rows import clear_row, place_pages, place_row
+from kvjax.jenga.allocator import RequestTooLargeError
+from kvjax.jenga.row_pool import RowPool
 from kvjax.serving.memory import MemorySample, sample_memory
 from kvjax.serving.prefix_states import PrefixStates, chunk_boundaries
 from kvjax.engine.sampling import sample_first_tokens, validate_sampling
@@ -80,49 +82,44 @@ class _Prefilled:
     pending: int  # the first sampled token, not yet appended
     key: jax.Array  # the request's PRNG key after the first split
     long_rope: bool
-    boundaries: list = field(default_factory=list)  # (tokens, chained hash) of the prompt's whole chunks
+    prefix: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32[T] the prompt's whole chunks
 
 
 def row_pages(cfg, capacity: int, page_size: int) -> int:
     """Pages one decoding row can hold at most: `capacity` tokens in each full-attention layer, a window's
     worth in each windowed one (a row decodes one token a step, so a windowed layer never holds more than
-    its window; its prefill ran on its own state). Summed over layers and kv heads."""
+    its window; its prefill ran on its own state). Summed over layers and kv heads: what the default pool
+    holds per row."""
     return cfg.num_kv_heads * sum(pages_for(min(w, capacity) if w else capacity, page_size) for w in cfg.windows)
 
 
 class _Batch:
-    """One decode batch: a `max_rows`-row state on one pool, the rows' sampling carry and their requests."""
+    """One decode batch: a `max_rows`-row state whose pages come from one Jenga pool (`RowPool`: layer groups
+    of different lifetimes and sizes, prefix blocks cached across groups), the rows' sampling carry and
+    their requests. The device state's own free stack is unused (empty): the host places every page."""
 
-    def __init__(self, engine: "BatchEngine", key: tuple, long_rope: bool):
+    def __init__(self, engine: "BatchEngine", key: tuple, long_rope: bool, heads: int):
         cfg = engine.model.cfg
         self.policy, self.temperature, self.top_k, self.top_p, eos = key
         self.eos = jnp.asarray(np.asarray(eos, np.int32).reshape(-1))
         R = engine.max_rows
-        num_pages = engine.pool_pages or R * row_pages(cfg, engine.capacity, engine.page_size)
-        self.state = engine.backend.new_state(cfg, R, engine.capacity, engine.page_size, num_pages,
-                                              engine.model.cache_dtype, long_rope, None)
+        # `heads`: kv heads per shard, each shard a pool of its own, all placed alike
+        default = R * row_pages(cfg, engine.capacity, engine.page_size) * heads // cfg.num_kv_heads
+        # rows whose pages never change after prefill (no compression, no decode-time eviction: those layers
+        # get groups of their own, which cache nothing) and whose page metadata is not fitted to each prompt
+        # (a selector's key sketch) share and cache whole-block prefixes
+        self.pool = RowPool(cfg, self.policy, heads, engine.page_size, jnp.dtype(engine.model.cache_dtype).name,
+                            engine.pool_pages, default, caching=not self.policy.keeps_key_sketch,
+                            uniform=engine.uniform_pages)
+        state = engine.backend.new_state(cfg, R, engine.capacity, engine.page_size, self.pool.num_pages,
+                                         engine.model.cache_dtype, long_rope, None)
+        self.state = state.replace(num_free=jnp.zeros_like(state.num_free))
+        self.tables = np.full((cfg.num_layers, R, heads, state.max_pages), -1, np.int32)  # what the device holds
         self.read_pages: tuple | None = ()  # () until the first row: then the rows' largest bounds
         self.logits = jnp.zeros((R, cfg.vocab_size), jnp.float32)
         self.pending = np.zeros(R, np.int32)
         self.keys = jnp.zeros((R, 2), jnp.uint32)
         self.rows: list[BatchRequest | None] = [None] * R
-        # rows whose pages never change after prefill (no compression, no decode-time eviction, no scores,
-        # no sliding window moving) and whose page metadata is not fitted to each prompt (a selector's key
-        # sketch) share their whole-page prefixes: chained hash of a prompt's first chunks -> (row, tokens)
-        self.shares = not (self.policy.compresses or self.policy.evicts_while_decoding or any(cfg.windows)
-                           or self.policy.keeps_key_sketch)
-        self.prefixes: dict[bytes, tuple[int, int]] = {}
-
-    def shared_prefix(self, boundaries: list, page_size: int) -> tuple[int, int]:
-        """(a live row holding the longest of `boundaries`, its whole pages per head), or (-1, 0)."""
-        if self.shares:
-            for tokens, digest in reversed(boundaries):
-                if digest in self.prefixes and tokens % page_size == 0:
-                    return self.prefixes[digest][0], tokens // page_size
-        return -1, 0
-
-    def forget_row(self, slot: int) -> None:
-        self.prefixes = {d: v for d, v in self.prefixes.items() if v[0] != slot}
 
     def free_row(self) -> int | None:
         return next((i for i, r in enumerate(self.rows) if r is None), None)
@@ -141,21 +138,31 @@ class _Batch:
 
 
 @functools.lru_cache(maxsize=None)
-def _row_operations(placement) -> tuple[Callable, Callable]:
-    """`insert_row` and `release_row` where `placement`'s states live: a row joins and leaves a batch on
-    every shard of it, so on a mesh they run per shard (compiled once per mesh)."""
+def _row_operations(placement) -> tuple[Callable, Callable, Callable]:
+    """`place_row`, `place_pages` and `clear_row` where `placement`'s states live: a row joins and leaves a
+    batch on every shard of it, each shard's pool placed alike (its own heads), so on a mesh they run per
+    shard (compiled once per mesh)."""
     if not placement.sharded:
-        return insert_row, release_row
-    insert = placement.per_shard(insert_row, ("state", "state", "", "", ""), "state")
-    return jax.jit(insert, donate_argnums=0), jax.jit(placement.per_shard(release_row, ("state", ""), "state"), donate_argnums=0)
+        return place_row, place_pages, clear_row
+    per_shard = lambda fn, layouts: jax.jit(placement.per_shard(fn, layouts, "state"), donate_argnums=0)  # noqa: E731
+    return (per_shard(place_row, ("state", "state", "", "", "", "")), per_shard(place_pages, ("state", "", "")),
+            per_shard(clear_row, ("state", "")))
+
+
+def _padded(pages: list[np.ndarray], none: int) -> jnp.ndarray:
+    """int32[K]: `pages` joined and padded with `none` to a power of two (few programs)."""
+    pages = np.concatenate(pages) if pages else np.zeros(0, np.int32)
+    size = max(8, 1 << int(np.ceil(np.log2(max(len(pages), 1)))))
+    return jnp.asarray(np.pad(pages, (0, size - len(pages)), constant_values=none).astype(np.int32))
 
 
 class BatchEngine:
     """Continuous batching over `generate`'s prefill, step and decode loop (module docstring).
 
     `max_rows`: rows per decode batch; `capacity`: tokens one request may reach (prompt plus new tokens)
-    per layer and head; `pool_pages`: pages of each batch's pool (default: `max_rows` full-capacity rows,
-    `row_pages`: a windowed layer needs only its window);
+    per layer and head; `pool_pages`: single-head pages of each batch's pool (per shard on a mesh), rounded up
+    to whole large pages of its Jenga pool (`kvjax.jenga.row_pool.RowPool`; default: `max_rows` full-capacity
+    rows, `row_pages`: a windowed layer needs only its window, and a large page per layer group);
     `prefix_cache_bytes`: room for prefill carries at chunk boundaries, reused by requests whose prompts
     start with the same whole chunks (`kvjax.serving.prefix_states`; 0 turns it off). That budget is
     `self.cache`, a `BytesLRU` that RAG chunk caches may share (`kvjax.rag.ChunkStore(model, lru=engine.cache)`),
@@ -170,18 +177,21 @@ class BatchEngine:
     and which step advances them (default one device; `kvjax.distributed.on_mesh` gives a model with its heads
     split over a mesh's devices and its backend; the prefix cache and memory samples are then off).
     `disk_cache`: a `DiskTier` under `self.cache`: what its memory budget evicts is written there, within the
-    tier's own budget, and read back on a hit; `disk_cache.stats` reports its hits, hit rate and bytes."""
+    tier's own budget, and read back on a hit; `disk_cache.stats` reports its hits, hit rate and bytes.
+    `uniform_pages`: every layer and head in one page group, each holding the whole context as paging did
+    before Jenga (the baseline `eval/bench_jenga_engine.py` measures the pool against)."""
 
     def __init__(self, model: Model, *, max_rows: int = 8, capacity: int = 2048, page_size: int = 16,
                  pool_pages: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, prefix_cache_bytes: int = 256 << 20,
                  prefill_chunks_per_step: int = 0, memory_every: int = 0, backend: StepBackend | None = None,
-                 disk_cache: DiskTier | None = None):
+                 disk_cache: DiskTier | None = None, uniform_pages: bool = False):
         if max_rows < 1 or capacity < 1 or steps_per_dispatch < 1:
             raise ValueError(f"max_rows, capacity and steps_per_dispatch must be >= 1, got {max_rows}, {capacity}, "
                              f"{steps_per_dispatch}")
         self.model, self.max_rows, self.capacity, self.page_size = model, max_rows, capacity, page_size
         self.pool_pages, self.chunk_size, self.steps = pool_pages, chunk_size, steps_per_dispatch
+        self.uniform_pages = uniform_pages
         if prefill_chunks_per_step < 0:
             raise ValueError(f"prefill_chunks_per_step must be >= 0 (0: no limit), got {prefill_chunks_per_step}")
         self.prefill_chunks_per_step = prefill_chunks_per_step
@@ -193,7 +203,7 @@ class BatchEngine:
             raise ValueError("memory_every reads one device's state; it is not available on a mesh")
         self.memory_every = memory_every
         self.memory_samples: list[MemorySample] = []
-        self._insert_row, self._release_row = _row_operations(self.backend.placement)
+        self._place_row, self._place_pages, self._clear_row = _row_operations(self.backend.placement)
         prefix_cache_bytes = 0 if sharded else prefix_cache_bytes  # its resume inserts a one-device row
         # one byte budget for prefix carries and whatever else shares it (RAG chunks: ChunkStore(lru=...))
         self.cache = BytesLRU(prefix_cache_bytes, disk=disk_cache)
@@ -207,8 +217,9 @@ class BatchEngine:
         self._ids = itertools.count()
         self._turn = 0
         self.dispatches = 0
-        self.leaked_pages = 0
-        self.shared_pages = 0  # pages rows did not copy because a live row of their batch held their prefix
+        self.leaked_pages = 0  # device pages a dropped batch's pool still held for requests
+        self.shared_pages = 0  # device pages rows did not copy: their prefix was in their batch's pool
+        self.shared_rows = 0  # rows that found their prefix in their batch's pool (prefix hits)
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -285,18 +296,19 @@ class BatchEngine:
             self._dispatch(live[self._turn % len(live)])
             self._turn += 1
         elif self.ready:  # nothing live will free pages: the request can never fit
-            held = int(self._pages_by_shard(self.ready[0].state).max())
+            item = self.ready[0]
+            held = int(self._held_pages(item.state).sum())
+            batch = self.batches[item.request.batch_key + (item.long_rope,)]
             raise CacheCapacityError(
-                f"request {self.ready[0].request.request_id} holds {held} pages, more than a batch pool has: "
-                "raise pool_pages", held, 0)
+                f"request {item.request.request_id} holds {held} pages per shard, more than a batch pool of "
+                f"{batch.pool.num_pages} has room for: raise pool_pages", held, batch.pool.num_pages)
         self._drop_idle_batches()
 
     def _drop_idle_batches(self) -> None:
         """Free the pools of batches with no live row and no prefilled request waiting for them."""
         wanted = {item.request.batch_key + (item.long_rope,) for item in self.ready}
         for key in [k for k, b in self.batches.items() if not b.live and k not in wanted]:
-            state = self.batches.pop(key).state
-            self.leaked_pages += int(np.sum(state.num_pages - self.backend.fetch(state.num_free)))
+            self.leaked_pages += self.batches.pop(key).pool.live_pages()
 
     def _advance_prefill(self) -> None:
         """Prefill chunks until `prefill_chunks_per_step` ran (0: until no waiting request is left, or one
@@ -338,10 +350,11 @@ class BatchEngine:
                            request.max_new_tokens + tail, self.backend, resume=resume, on_chunk=on_chunk)
         state, logits = yield from prefill_row_steps(model, [head], plan)
         state, logits = feed_tokens(model, state, logits, [prompt[len(prompt) - tail:]], request.policy, self.backend)
-        self._sample_first(request, state, logits, uses_long_factors(model.cfg, declared), boundaries)
+        whole = len(head) // self.chunk_size * self.chunk_size  # prefilled in the same chunks by every prompt
+        self._sample_first(request, state, logits, uses_long_factors(model.cfg, declared), head[:whole])
 
     def _sample_first(self, request: BatchRequest, state: KVState, logits: jax.Array, long_rope: bool,
-                      boundaries: list | None = None) -> None:
+                      prefix: np.ndarray | None = None) -> None:
         """The first token from the prefill's logits (as `generate` samples it); the request then waits for a
         row unless that token ended it."""
         key, step_key = jax.random.split(jax.random.PRNGKey(request.seed))
@@ -350,40 +363,90 @@ class BatchEngine:
         first = int(token[0])
         if self._emit(request, [first], [float(logprob[0])]):
             return
-        self.ready.append(_Prefilled(request, state, logits, first, key, long_rope, boundaries or []))
+        self.ready.append(_Prefilled(request, state, logits, first, key, long_rope,
+                                     np.zeros(0, np.int32) if prefix is None else np.asarray(prefix)))
 
     def _insert_ready(self) -> None:
+        """Put prefilled requests into free rows of their batch, on pages its pool has room for now (a
+        request that finds no row or no room waits). A prompt's whole chunks already in the pool (cached by
+        an earlier row of the batch) are shared, not copied; its own then join the pool's prefix cache."""
         still = deque()
         while self.ready:
             item = self.ready.popleft()
             key = item.request.batch_key + (item.long_rope,)
+            heads = item.state.page_table.shape[-2]  # kv heads per shard
             if key not in self.batches:
-                self.batches[key] = _Batch(self, key[:-1], item.long_rope)
+                self.batches[key] = _Batch(self, key[:-1], item.long_rope, heads)
             batch = self.batches[key]
             slot = batch.free_row()
-            source, shared = batch.shared_prefix(item.boundaries, self.page_size)
-            cfg = self.model.cfg
-            heads = item.state.page_table.shape[-2]  # kv heads per shard
-            free = self.backend.fetch(batch.state.num_free).reshape(-1)
-            if slot is None or np.any(self._pages_by_shard(item.state) - shared * cfg.num_layers * heads > free):
+            if slot is None or not self._place(batch, slot, item):
                 still.append(item)
                 continue
-            batch.widen_reads(item.state.read_pages)
-            # the row's own read bounds are static data: dropped, so one insert program serves every row
-            batch.state = self._insert_row(batch.state, item.state.replace(read_pages=None), jnp.int32(slot),
-                                           jnp.int32(source), jnp.int32(shared))
-            self.shared_pages += shared * cfg.num_layers * cfg.num_kv_heads
-            if batch.shares:
-                batch.prefixes.update({digest: (slot, tokens) for tokens, digest in item.boundaries})
             batch.logits = batch.logits.at[slot].set(item.logits[0])
             batch.pending[slot] = item.pending
             batch.keys = batch.keys.at[slot].set(item.key)
             batch.rows[slot] = item.request
         self.ready = still
 
+    def _held_pages(self, state: KVState) -> np.ndarray:
+        """int[L, H]: logical pages each (layer, kv head) of a one-sequence state holds (on a mesh: the most
+        any shard's head there holds)."""
+        table = self.backend.fetch(state.page_table)  # [..., L, 1, H, P]
+        held = (table >= 0).sum(axis=-1)[..., 0, :]
+        return held.reshape((-1,) + held.shape[-2:]).max(axis=0)
+
+    def _place(self, batch: _Batch, slot: int, item: _Prefilled) -> bool:
+        """Take pages for `item` from `batch.pool` and put it into row `slot`; False when the pool has no
+        room for it now."""
+        pool, rid, P = batch.pool, item.request.request_id, batch.tables.shape[-1]
+        hit = pool.hit(item.prefix, self.chunk_size)
+        try:
+            placed = pool.allocator.reserve(rid, pool.blocks(np.minimum(self._held_pages(item.state), P)), hit)
+        except RequestTooLargeError:
+            return False  # `step` reports it when nothing live can make room
+        if placed is None:
+            return False
+        table = pool.table(rid, P)
+        shared = pool.shared(hit, P)
+        fresh = [pool.device_pages(g, pages) for g, pages in enumerate(placed.new_pages.values())]
+        batch.widen_reads(item.state.read_pages)
+        # the row's own read bounds are static data: dropped, so one program places every row
+        batch.state = self._place_row(batch.state, item.state.replace(read_pages=None), jnp.int32(slot),
+                                      jnp.asarray(table), jnp.asarray(~shared), _padded(fresh, pool.num_pages))
+        batch.tables[:, slot] = table
+        self.shared_pages += int(shared.sum()) * self.model.cfg.num_kv_heads // table.shape[1]
+        self.shared_rows += hit is not None
+        if len(item.prefix):
+            pool.allocator.register_prefix(rid, item.prefix)
+        return True
+
+    def _place_ahead(self, batch: _Batch, limit: np.ndarray) -> None:
+        """Reserve the pages the next dispatch's tokens (`limit int[R]` a row at most) may write, in the
+        pool, and place them in the device tables before the step runs (the step takes none itself)."""
+        pool = batch.pool
+        lengths = self.backend.fetch(batch.state.lengths)  # [..., L, R, H]
+        lengths = lengths.reshape((-1,) + lengths.shape[-3:]).max(axis=0)
+        ahead = pool.pages_ahead(lengths, np.minimum(limit, self.steps), batch.read_pages or None,
+                                 batch.tables.shape[-1])
+        fresh = []
+        for slot, request in enumerate(batch.rows):
+            if request is None:
+                continue
+            placed = pool.allocator.reserve(request.request_id, pool.blocks(ahead[:, slot]))
+            if placed is None:
+                raise CacheCapacityError(
+                    f"the batch pool of {pool.num_pages} pages per shard is full: request {request.request_id} "
+                    "needs pages for its next tokens; raise pool_pages or lower max_rows", 1, 0)
+            if any(placed.new_pages.values()):
+                fresh += [pool.device_pages(g, pages) for g, pages in enumerate(placed.new_pages.values())]
+                batch.tables[:, slot] = pool.table(request.request_id, batch.tables.shape[-1])
+        if fresh:
+            batch.state = self._place_pages(batch.state, jnp.asarray(batch.tables), _padded(fresh, pool.num_pages))
+
     def _dispatch(self, batch: _Batch) -> None:
         R = self.max_rows
         limit = np.array([0 if r is None else r.max_new_tokens - len(r.tokens) for r in batch.rows], np.int32)
+        self._place_ahead(batch, limit)
         done = jnp.asarray(limit <= 0)
         run = decode_steps(
             self.model.params, batch.state, batch.logits, jnp.asarray(batch.pending), batch.keys, done, batch.eos,
@@ -408,14 +471,10 @@ class BatchEngine:
                 continue
             got = tokens[slot] >= 0
             if self._emit(request, tokens[slot][got].tolist(), logprobs[slot][got].tolist()):
-                batch.state = self._release_row(batch.state, jnp.int32(slot))
+                batch.state = self._clear_row(batch.state, jnp.int32(slot))
+                batch.tables[:, slot] = -1
+                batch.pool.allocator.free(request.request_id)
                 batch.rows[slot] = None
-                batch.forget_row(slot)
-
-    def _pages_by_shard(self, state: KVState) -> np.ndarray:
-        """int[shards]: pages a one-sequence state holds on each shard (one entry on one device)."""
-        table = self.backend.fetch(state.page_table)
-        return (table >= 0).reshape(np.size(self.backend.fetch(state.num_free)), -1).sum(axis=1)
 
     def _emit(self, request: BatchRequest, tokens: list[int], logprobs: list[float]) -> bool:
         """Record new tokens; returns whether the request finished."""
