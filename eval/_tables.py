@@ -258,6 +258,25 @@ def locret_quality(payload: dict) -> str:
             f"{s['dense_layers']}; Locret: {payload['locret_options']}.{trained} {load_line(payload)}\n")
 
 
+def locret_kvzip_training(payload: dict) -> str:
+    """`kvjax train locret --label kvzip`'s summary.json: data, wall times, and the held-out pooled top-b
+    recall of the label (untrained, chosen checkpoint)."""
+    a = payload["args"]
+    shares = a["recall_shares"]
+    best, untrained = payload["best_heldout"], payload["untrained_heldout"]
+    rows = [["untrained heads", "-", *[f"{untrained[f'recall@{s:g}']:.3f}" for s in shares]],
+            [f"chosen checkpoint", str(best["step"]), *[f"{best[f'recall@{s:g}']:.3f}" for s in shares]]]
+    load = payload["load"]
+    return (markdown_table(["heads", "step", *[f"recall of the label's top {s:g}" for s in shares]], rows) +
+            f"\n{payload['trained_on']} sequences trained on, {payload['heldout']} held out ({a['data']}, "
+            f"{a['data_lengths']}-token documents, hidden {a['hidden']}, {a['steps']} steps, label normalised per "
+            f"{a['label_norm']}, listwise weight {a['rank_weight']} at temperature {a['temperature']}). Wall time: "
+            f"{payload['extract_seconds'] / 60:.0f} min extracting inputs and labels, {payload['train_seconds'] / 60:.1f} "
+            f"min training, single-threaded on {load['cpu_count']} cores shared with other sessions. "
+            f"Load average before/after: {[round(x, 1) for x in load['before']]} / "
+            f"{[round(x, 1) for x in load['after']]}.\n")
+
+
 def _recorded_load(payload: dict) -> str:
     """The load line where the run recorded its load; nothing where it did not."""
     line = load_line(payload)

@@ -1,5 +1,7 @@
 """The Locret policy: keeps the retaining heads' top slots per chunk, holds the tail, stays O(budget + chunk)."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -32,7 +34,9 @@ def numpy_scores(heads, layer, q_pre, k_pre, v):
 
 
 def _policy(heads, **options):
-    return kvjax.make_policy("locret", **{"token_budget": BUDGET, "stabilizers": STABLE, "local_tail": TAIL, "heads": heads, **options})
+    """Per kv head unless `pool` says otherwise (the per-head tests below)."""
+    defaults = {"token_budget": BUDGET, "stabilizers": STABLE, "local_tail": TAIL, "heads": heads, "pool": "head"}
+    return kvjax.make_policy("locret", **{**defaults, **options})
 
 
 def _prefill(model, tokens, policy, **kwargs):
@@ -55,6 +59,28 @@ def test_one_chunk_keeps_the_heads_top_and_the_tail(setup):
             assert set(kept[layer][0][h].tolist()) == expected
 
 
+@pytest.mark.parametrize("head_cap", [4, 1])
+def test_pooled_budget_keeps_the_top_over_all_layers_and_heads(setup, head_cap):
+    model, heads = setup
+    T = CHUNK + TAIL  # one (final) chunk, then the tail
+    tokens = random_tokens(11, (1, T))
+    state, _ = _prefill(model, tokens, _policy(heads, pool="all", head_cap=head_cap))
+    kept = kept_positions(state)
+    b, H = BUDGET - TAIL, model.cfg.num_kv_heads
+    ref = np.stack([numpy_scores(heads, layer, q_pre[:CHUNK], k_pre[:CHUNK], v[:CHUNK])
+                    for layer, (_, _, q_pre, k_pre, v) in sorted(dense_capture(model, tokens[0]).items())])  # [L, C, H]
+    threshold = np.sort(ref.ravel())[::-1][b * H * len(ref) - 1]
+    counts = []
+    for layer in range(len(ref)):
+        for h in range(H):
+            order = np.argsort(-ref[layer, :, h])
+            expected = order[: min((ref[layer, :, h] >= threshold - 1e-5).sum(), b * head_cap)]
+            assert set(kept[layer][0][h].tolist()) == set(expected.tolist()) | set(range(CHUNK, T))
+            counts.append(len(expected))
+    assert max(counts) > b and min(counts) < b if head_cap > 1 else max(counts) <= b  # spread unevenly, capped
+    assert sum(counts) == b * H * len(ref) if head_cap > 1 else sum(counts) <= b * H * len(ref)
+
+
 def test_stabilizers_survive_non_final_chunks(setup):
     model, heads = setup
     T = 2 * CHUNK + TAIL
@@ -72,9 +98,10 @@ def test_stabilizers_survive_non_final_chunks(setup):
             assert set(positions[positions < CHUNK].tolist()) <= first
 
 
-def test_pool_is_sized_by_budget_not_prompt(setup):
+@pytest.mark.parametrize("pool", ["head", "all"])
+def test_pool_is_sized_by_budget_not_prompt(setup, pool):
     model, heads = setup
-    policy = _policy(heads)
+    policy = _policy(heads, pool=pool, head_cap=2)
     short, _ = _prefill(model, random_tokens(13, (1, 3 * CHUNK)), policy)
     # a prompt past this tiny model's 256-token context: Locret's memory bound is what is measured here
     long, _ = _prefill(model, random_tokens(14, (1, 16 * CHUNK)), policy, allow_longer_context=True)
@@ -82,7 +109,10 @@ def test_pool_is_sized_by_budget_not_prompt(setup):
     L, H = model.cfg.num_layers, model.cfg.num_kv_heads
     assert long.num_pages <= L * H * (16 * CHUNK // 8) // 2  # half of what the prompt alone would take
     report = memory_report(long)
-    assert report["pages_in_use"] == L * H * (BUDGET // 8)
+    if pool == "head":
+        assert report["pages_in_use"] == L * H * (BUDGET // 8)
+    else:  # the pooled budget in use, spread unevenly: at most head_cap times a head's share each
+        assert report["pages_in_use"] <= L * H * (2 * (BUDGET - TAIL) + TAIL) // 8 + L * H
 
 
 def test_large_budget_matches_the_full_cache_and_decode_compiles_once(setup):
@@ -188,6 +218,10 @@ def test_shipped_tiny_heads_load_by_name():
     tokens = np.asarray(model.tokenizer(" ".join(["the sky is blue ."] * 40))["input_ids"], np.int32)[None]
     state, _ = kvjax.prefill(model, tokens, policy=policy, chunk_size=64, max_new_tokens=2)
     assert {len(p) for layer in kept_positions(state) for p in layer[0]} == {48}
+    state, _ = kvjax.prefill(model, tokens, policy=dataclasses.replace(policy, pool="all"), chunk_size=64,
+                             max_new_tokens=2)
+    kept = [len(p) for layer in kept_positions(state) for p in layer[0]]  # the budget pooled over layers and heads
+    assert sum(kept) == 48 * len(kept) and max(kept) <= 4 * 40 + 8
 
 
 def test_shipped_smollm2_heads_load_by_name_and_fit_the_size_limit():

@@ -31,6 +31,7 @@ import sys
 import time
 
 REAL_TEXT = "kvjax:real-text"  # --data: the offline recipe on long real text, built in memory
+MIXED = "kvjax:real-text+needles"  # --data: real-text rows interleaved with the needle recipe's (seed 1000 + --data-seed)
 DEFAULTS = dict(
     steps=3000, warmup=2000, lr=5e-4, b1=0.9, b2=0.95, weight_decay=0.01, clip=0.5, alpha=0.0025,
     batch_size=1, max_length=10240, max_answer=512, chunk_size=1024, hidden=1024, save_every=500,
@@ -71,6 +72,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh", default=None, metavar="DATAx1",
                    help="data-parallel over a device mesh (--batch-size split over DATA), also over several processes "
                         "started by python -m kvjax.distributed.launch; checkpoints resume on any mesh")
+    p.add_argument("--label", choices=["answer-logit", "kvzip"], default="answer-logit",
+                   help="answer-logit: Locret's label, computed each step; kvzip: KVzip's question-agnostic score "
+                        "(log), extracted once into --cache and trained with a ranking term")
+    p.add_argument("--cache", default=None, help="--label kvzip: where the extracted inputs and labels go "
+                                                 "(default OUT/targets; float16 inputs, resumed)")
+    p.add_argument("--label-norm", choices=["sequence", "head"], default="sequence",
+                   help="--label kvzip: z-score the log labels over the whole sequence or per layer and kv head")
+    p.add_argument("--rank-weight", type=float, default=1.0, help="--label kvzip: weight of the listwise term")
+    p.add_argument("--temperature", type=float, default=1.0, help="--label kvzip: listwise softmax temperature")
+    p.add_argument("--heldout", type=int, default=4, help="--label kvzip: last examples held out for checkpoint choice")
+    p.add_argument("--eval-every", type=int, default=25, help="--label kvzip: held-out recall every N steps")
+    p.add_argument("--recall-shares", type=float, nargs="+", default=[0.125, 0.25],
+                   help="--label kvzip: kept shares whose pooled top-b recall chooses the checkpoint")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # simulate a kill (tests)
     args = p.parse_args(argv)
@@ -154,6 +168,150 @@ def plot_losses(metrics_path: str, png: str, title: str = "Locret heads",
     return png
 
 
+def recipe_rows(tokenizer, recipe: str, rows: int, lengths, seed: int, progress: bool) -> list[dict]:
+    """The offline recipe's rows: `REAL_TEXT`'s, or (`MIXED`) real-text and needle rows alternating,
+    `rows` in all (`kvjax.tasks.longalpaca`)."""
+    from kvjax.tasks.longalpaca import needle_rows, real_text_rows
+
+    if recipe == REAL_TEXT:
+        return real_text_rows(tokenizer, rows, lengths, seed, progress=progress)
+    text = real_text_rows(tokenizer, -(-rows // 2), lengths, seed, progress=progress)
+    needles = needle_rows(tokenizer, rows // 2, lengths, 1000 + seed, progress=progress)
+    return [row for pair in zip(text, needles + [None]) for row in pair if row is not None][:rows]
+
+
+def cache_kvzip_targets(model, examples, directory: str, chunk_size: int, setting: dict, progress: bool = True) -> list[str]:
+    """Each example's head inputs and KVzip label (`kvjax.locret.labels.kvzip_targets`) in
+    `directory/NNNNN.npz`: `x f16[L, T, (Hq + 2H) * D]` (q, k, v before RoPE, concatenated) and
+    `labels f32[L, T, H]` over its T real tokens. Files already there are kept (the extraction resumes);
+    `setting` (the data's options) is checked against the directory's `setting.json`."""
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    from kvjax.locret.data import make_batch
+    from kvjax.locret.labels import kvzip_targets
+
+    os.makedirs(directory, exist_ok=True)
+    meta = os.path.join(directory, "setting.json")
+    if os.path.exists(meta):
+        with open(meta) as f:
+            found = json.load(f)
+        if found != setting:
+            raise SystemExit(f"{directory} holds targets of another setting {found}; got {setting} (use another --cache)")
+    else:
+        with open(meta, "w") as f:
+            json.dump(setting, f)
+    paths = [os.path.join(directory, f"{i:05d}.npz") for i in range(len(examples))]
+    for example, path in tqdm(list(zip(examples, paths)), desc="kvzip targets", unit="example", disable=not progress):
+        if os.path.exists(path):
+            continue
+        targets = kvzip_targets(model, make_batch([example], chunk_size), chunk_size=chunk_size)
+        T = len(example.prefix)
+        x = jax.numpy.concatenate([a[:, 0, :T].reshape(a.shape[0], T, -1) for a in targets[:3]], axis=-1)
+        np.savez(path + ".tmp.npz", x=np.asarray(x, np.float16), labels=np.asarray(targets.labels[:, 0, :T]))
+        os.replace(path + ".tmp.npz", path)  # a killed extraction leaves no half-written file
+    return paths
+
+
+def _cached(path: str, chunk: int):
+    """One cached sequence, padded to a bucketed width (few compiles): (x f16[L, Tb, F], labels, valid bool[Tb])."""
+    import numpy as np
+
+    from kvjax.locret.data import _bucket
+
+    with np.load(path) as f:
+        x, labels = f["x"], f["labels"]
+    T = x.shape[1]
+    Tb = _bucket(T, chunk)
+    pad = ((0, 0), (0, Tb - T), (0, 0))
+    return np.pad(x, pad), np.pad(labels, pad), np.arange(Tb) < T
+
+
+def heldout_recall(heads, paths, chunk: int, shares) -> dict:
+    """Mean over `paths` of `top_share_recall` (pooled over all layers and heads) per share."""
+    import jax
+    import numpy as np
+
+    from kvjax.locret.training import cached_predictions, top_share_recall
+
+    predict = jax.jit(cached_predictions)
+    out = {share: [] for share in shares}
+    for path in paths:
+        x, labels, valid = _cached(path, chunk)
+        pred = np.asarray(predict(heads, x))
+        for share in shares:
+            out[share].append(top_share_recall(pred, labels, valid, share))
+    return {f"recall@{share:g}": float(np.mean(v)) for share, v in out.items()}
+
+
+def train_on_kvzip(args, model, examples, config, heads, skipped: dict) -> dict:
+    """`--label kvzip`: extract every example's inputs and KVzip label once (`cache_kvzip_targets`), train on
+    the cached ones but the last `--heldout` (`kvjax.locret.training.ranked_loss`), score the held-out ones
+    every `--eval-every` steps by pooled top-b recall and export the best heads."""
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    from kvjax.locret import RetainingHeads, export_safetensors, save_heads
+    from kvjax.locret.data import batch_indices
+    from kvjax.locret.training import lr_schedule, make_cached_step, make_optimizer
+
+    if args.mesh:
+        raise SystemExit("--label kvzip trains on one device (no --mesh)")
+    if not 0 < args.heldout < len(examples):
+        raise SystemExit(f"--heldout must be in [1, {len(examples)}), got {args.heldout}")
+    setting = {k: getattr(args, k) for k in ("data", "data_rows", "data_lengths", "data_seed", "max_length",
+                                             "max_answer", "chunk_size", "limit", "model")}
+    started, load_before = time.perf_counter(), os.getloadavg()
+    paths = cache_kvzip_targets(model, examples, args.cache or os.path.join(args.out, "targets"), args.chunk_size,
+                                setting, not args.no_progress)
+    extract_seconds = time.perf_counter() - started
+    train, held = paths[: -args.heldout], paths[-args.heldout :]
+    optimizer = make_optimizer(args.lr, args.steps, args.warmup, args.b1, args.b2, args.weight_decay, args.clip)
+    step_fn = make_cached_step(optimizer, alpha=args.alpha, rank_weight=args.rank_weight,
+                               temperature=args.temperature, scope=args.label_norm)
+    opt_state, schedule = optimizer.init(heads), lr_schedule(args.lr, args.steps, args.warmup)
+    best, best_recall, history = jax.tree.map(np.asarray, heads), -1.0, []
+    os.makedirs(args.out, exist_ok=True)
+    started = time.perf_counter()
+    with open(os.path.join(args.out, "metrics.jsonl"), "w") as log:
+        for step in tqdm(range(args.steps), desc="locret (kvzip)", unit="step", disable=args.no_progress):
+            x, labels, valid = _cached(train[batch_indices(step, 1, len(train), args.seed)[0]], args.chunk_size)
+            heads, opt_state, loss = step_fn(heads, opt_state, x, labels, valid)
+            row = {"step": step + 1, "loss": float(loss), "lr": float(schedule(step))}
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                row.update(heldout_recall(heads, held, args.chunk_size, args.recall_shares))
+                mean = float(np.mean([row[f"recall@{s:g}"] for s in args.recall_shares]))
+                history.append(row)
+                if mean > best_recall:
+                    best, best_recall, row["best"] = jax.tree.map(np.asarray, heads), mean, True
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+    train_seconds = time.perf_counter() - started
+    final = RetainingHeads(config, best)
+    model_name = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
+    save_heads(os.path.join(args.out, "heads"), final, extra={"model": model_name, "steps": args.steps, "label": "kvzip"})
+    export_safetensors(final, os.path.join(args.out, "heads.safetensors"), args.export_dtype)
+    summary = {"label": "kvzip", "examples": len(examples), "trained_on": len(train), "heldout": len(held),
+               "skipped": skipped, "extract_seconds": extract_seconds, "train_seconds": train_seconds,
+               "load": {"before": load_before, "after": os.getloadavg(), "cpu_count": os.cpu_count()},
+               "best_heldout": max(history, key=lambda r: np.mean([r[f"recall@{s:g}"] for s in args.recall_shares])),
+               "heldout_history": history, "untrained_heldout": heldout_recall(
+                   init_heads_like(config, args.seed), held, args.chunk_size, args.recall_shares), "args": vars(args)}
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    plot_losses(os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "loss.png"),
+                title=f"Locret heads (KVzip label) for {model_name}", ylabel="Smooth-L1 + listwise + alpha * smoothness")
+    return summary
+
+
+def init_heads_like(config, seed: int) -> dict:
+    from kvjax.locret import init_heads
+
+    return init_heads(config, seed).params
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -176,11 +334,9 @@ def main(argv=None) -> dict:
     if model.tokenizer is None:
         raise SystemExit(f"{args.model!r} has no tokenizer; training needs one to read the data")
     source = args.data
-    if args.data == REAL_TEXT and not os.path.exists(args.data):
-        from kvjax.tasks.longalpaca import real_text_rows
-
-        source = real_text_rows(model.tokenizer, args.data_rows, args.data_lengths, args.data_seed,
-                                progress=not args.no_progress)
+    if args.data in (REAL_TEXT, MIXED) and not os.path.exists(args.data):
+        source = recipe_rows(model.tokenizer, args.data, args.data_rows, args.data_lengths, args.data_seed,
+                             not args.no_progress)
     examples, skipped = build_examples(
         source, model.tokenizer, args.max_length, args.max_answer, args.split, args.limit, not args.no_progress
     )
@@ -191,6 +347,8 @@ def main(argv=None) -> dict:
 
     config = HeadsConfig.for_model(model.cfg, args.hidden)
     heads = init_heads(config, args.seed).params
+    if args.label == "kvzip":
+        return train_on_kvzip(args, model, examples, config, heads, dict(skipped))
     options = dict(
         learning_rate=args.lr, total_steps=args.steps, warmup_steps=args.warmup, b1=args.b1, b2=args.b2,
         weight_decay=args.weight_decay, clip_value=args.clip,

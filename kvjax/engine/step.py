@@ -301,6 +301,25 @@ def compress_segments(policy: Policy, state: KVState, num_layers: int, windows: 
     )
 
 
+def pooled_threshold(state: KVState, policy: Policy, num_layers: int, windows: tuple, next_position) -> jax.Array:
+    """f32[B]: the `policy.pooled_budget * H * L'`-th best slot score over the L' compressed layers' valid
+    slots (-inf where they hold fewer): what a slot needs to be kept when the budget is pooled."""
+    flat = []
+    for start, stop in compress_segments(policy, state, num_layers, windows):
+        local = state.for_layers(start, stop)
+
+        def scores(layer, local=local):
+            view = layer_view(local, layer, num_layers, next_position)
+            return jnp.where(view.valid, view.slot_score, -jnp.inf)  # [B, H, S]
+
+        part = jax.lax.map(scores, jnp.arange(start, stop, dtype=jnp.int32))  # [l, B, H, S]
+        flat.append(jnp.moveaxis(part, 1, 0).reshape(part.shape[1], -1))
+        count = policy.pooled_budget * part.shape[2]  # per layer
+    flat = jnp.concatenate(flat, axis=-1)  # [B, L' * H * S]
+    count = min(count * sum(b - a for a, b in compress_segments(policy, state, num_layers, windows)), flat.shape[-1])
+    return jax.lax.top_k(flat, count)[0][:, -1]
+
+
 @functools.partial(
     jax.jit, static_argnames=("num_layers", "policy", "keep_bound", "read_pages", "windows", "placement"),
     donate_argnames=("state",),
@@ -320,13 +339,18 @@ def compress_step(
         {name: VIEW_LAYOUTS[name] for name in SLOT_FIELDS},
     )
     compact = placement.per_shard(compact_layer, ("state", "", "bhs", "bh"), "state")
+    threshold = None
+    if policy.pooled_budget is not None:
+        if placement.sharded:
+            raise NotImplementedError(f"policy {policy.name!r}: a budget pooled over layers runs on one device")
+        threshold = pooled_threshold(state, policy, num_layers, windows, next_position)
     for start, stop in compress_segments(policy, state, num_layers, windows):
 
         def body(state, layer, start=start, stop=stop):
             local = state.for_layers(start, stop)
             extra = {} if window is None else {"window_q": window["q"][layer], "window_pos": window["pos"]}
             view = LayerView(layer=layer, num_layers=num_layers, next_position=next_position, final_chunk=final,
-                             **view_parts(local, layer, next_position), **extra)
+                             pool_threshold=threshold, **view_parts(local, layer, next_position), **extra)
             keep_slots, keep_count = policy.compress_layer(view, keep_bound)
             return compact(local, layer, keep_slots, keep_count).replace(read_pages=state.read_pages)
 

@@ -4,10 +4,12 @@ Notes: docs/modules.md (`kvjax/locret/labels.py`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.cache.attention import attention_max
 from kvjax.cache.state import gather_layer, init_state
@@ -67,18 +69,15 @@ def answer_logit_max(
     return attention_max(q, after, answer_real, k, zeros, key_real, probs=False, block=answer_block)
 
 
-def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chunk_size: int, page_size: int = 16,
-                    features: bool = True) -> Targets:
-    """Retaining-head inputs and labels for `batch` (see the module docstring). `chunk_size` must divide
-    the prefix width Tp (or exceed it). `features=False` records no inputs (labels only: what scoring
-    tokens by their labels needs, `L * Tp * (Hq + 2H) * D` less memory)."""
+def _prefill_features(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chunk_size: int, page_size: int,
+                      capacity: int, features: bool = True):
+    """The prefix of `batch` prefilled chunk by chunk into a full state of `capacity` slots (every prefill's
+    step): `(state, (q_pre, k_pre, v) each [L, B, Tp, ...] or () when not features)`."""
     B, Tp = batch.prefix.shape
-    A = batch.answer.shape[1]
     C = min(chunk_size, Tp)
     if Tp % C:
         raise ValueError(f"prefix width {Tp} must be a multiple of chunk_size {C}")
-    long_rope = uses_long_factors(cfg, Tp + A)
-    state = init_state(cfg, B, Tp + A, page_size, dtype=dtype, long_rope=long_rope)
+    state = init_state(cfg, B, capacity, page_size, dtype=dtype, long_rope=uses_long_factors(cfg, capacity))
     L, Hq, H, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def record(layer, inputs, state, feats):
@@ -93,7 +92,20 @@ def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chun
 
     # a scan over the chunks: one chunk's program, compiled once whatever the length
     state, chunks = jax.lax.scan(prefix_chunk, state, jnp.arange(Tp // C))  # each [Tp // C, L, B, C, ...]
+    stack = lambda x: jnp.moveaxis(x, 0, 2).reshape(L, B, Tp, *x.shape[4:])  # [L, B, Tp, ...]
+    return state, tuple(stack(x) for x in chunks)
 
+
+def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chunk_size: int, page_size: int = 16,
+                    features: bool = True) -> Targets:
+    """Retaining-head inputs and labels for `batch` (see the module docstring). `chunk_size` must divide
+    the prefix width Tp (or exceed it). `features=False` records no inputs (labels only: what scoring
+    tokens by their labels needs, `L * Tp * (Hq + 2H) * D` less memory)."""
+    B, Tp = batch.prefix.shape
+    A = batch.answer.shape[1]
+    L, H = cfg.num_layers, cfg.num_kv_heads
+    state, inputs = _prefill_features(model_params, batch, cfg=cfg, dtype=dtype, chunk_size=chunk_size,
+                                      page_size=page_size, capacity=Tp + A, features=features)
     answer_real = jnp.arange(A)[None, :] < batch.answer_len[:, None]
 
     def label(layer, inputs, state, labels):
@@ -106,7 +118,30 @@ def compute_targets(model_params, batch: Batch, *, cfg: ModelConfig, dtype, chun
         model_params, state, batch.answer, batch.answer_len.astype(jnp.int32), jnp.zeros((L, B, Tp, H), jnp.float32),
         cfg=cfg, dtype=dtype, on_layer=label,
     )
-    stack = lambda x: jnp.moveaxis(x, 0, 2).reshape(L, B, Tp, *x.shape[4:])  # [L, B, Tp, ...]
     valid = jnp.arange(Tp)[None, :] < batch.prefix_len[:, None]
-    inputs = tuple(stack(x) for x in chunks) if features else (None, None, None)
+    return Targets(*(inputs or (None, None, None)), labels, valid)
+
+
+LOG_FLOOR = 1e-8  # KVzip scores below this are taken as this before the log
+
+
+def kvzip_targets(model, batch: Batch, *, chunk_size: int, page_size: int = 16, sinks: int = 4) -> Targets:
+    """Retaining-head inputs and KVzip's label for `batch`: the log of the largest softmax attention each
+    prefix token gets while the frozen `model` (a `kvjax.models.loading.Model`, its tokenizer gives the
+    repeat instruction) repeats the prefix (`kvjax.engine.reconstruction`), floored at LOG_FLOOR: labels
+    `f32[L, B, Tp, H]`, question-agnostic (the answer is not read). Host-driven, not traceable."""
+    from kvjax.engine.reconstruction import reconstruction_scores
+    from kvjax.engine.generation import bucketed
+    from kvjax.policies.kvzip import INSTRUCTION_ROOM, KVzip
+
+    B, Tp = batch.prefix.shape
+    spec = KVzip(sink_size=sinks).scoring_pass
+    capacity = bucketed(Tp + min(spec.chunk, Tp) + INSTRUCTION_ROOM)
+    prefill = jax.jit(functools.partial(_prefill_features, cfg=model.cfg, dtype=model.dtype, chunk_size=chunk_size,
+                                        page_size=page_size, capacity=capacity))
+    state, inputs = prefill(model.params, batch)
+    rows = [np.asarray(p[:n]) for p, n in zip(np.asarray(batch.prefix), np.asarray(batch.prefix_len))]
+    _, scores = reconstruction_scores(model, state, rows, spec)  # [L, B, H, S], slot order = position
+    labels = jnp.log(jnp.maximum(jnp.moveaxis(scores[..., :Tp], 2, 3), LOG_FLOOR))  # [L, B, Tp, H]
+    valid = jnp.arange(Tp)[None, :] < batch.prefix_len[:, None]
     return Targets(*inputs, labels, valid)

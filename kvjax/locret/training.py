@@ -110,3 +110,83 @@ def make_train_step(optimizer: optax.GradientTransformation, *, cfg: ModelConfig
         return optax.apply_updates(head_params, updates), opt_state, loss
 
     return step
+
+
+# ------------------------------------------------------------- KVzip's label: ranked, pooled, from cached inputs
+
+NORM_SCOPES = ("sequence", "head")
+
+
+def normalise_labels(labels: jax.Array, valid: jax.Array, scope: str = "sequence") -> jax.Array:
+    """`labels f32[L, T, H]` (log scores) as z-scores over the real tokens (`valid bool[T]`) of the whole
+    sequence (`scope="sequence"`: every layer and head together, the order a budget pooled over them
+    compares) or of each layer and kv head (`"head"`). Unreal tokens get 0."""
+    if scope not in NORM_SCOPES:
+        raise ValueError(f"label normalisation scope must be one of {', '.join(NORM_SCOPES)}, got {scope!r}")
+    axes = (0, 1, 2) if scope == "sequence" else (1,)
+    w = jnp.broadcast_to(valid[None, :, None], labels.shape).astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(w, axis=axes, keepdims=True), 1.0)
+    mean = jnp.sum(labels * w, axis=axes, keepdims=True) / n
+    std = jnp.sqrt(jnp.sum(jnp.square(labels - mean) * w, axis=axes, keepdims=True) / n)
+    return jnp.where(w > 0, (labels - mean) / jnp.maximum(std, 1e-6), 0.0)
+
+
+def cached_predictions(head_params: dict, x: jax.Array) -> jax.Array:
+    """f32[L, T, H]: every layer's head on cached inputs `x [L, T, (Hq + 2H) * D]` (q, k, v before RoPE)."""
+    stacked = jax.tree.map(lambda *w: jnp.stack(w), *[head_params[f"layer_{l}"] for l in range(x.shape[0])])
+
+    def one(w, xl):
+        h = jax.nn.silu(jnp.einsum("tf,fk->tk", xl.astype(jnp.float32), w["w1"].astype(jnp.float32)))
+        return jnp.einsum("tk,kh->th", h, w["w2"].astype(jnp.float32))
+
+    return jax.vmap(one)(stacked, x)
+
+
+def ranked_loss(head_params: dict, x: jax.Array, labels: jax.Array, valid: jax.Array, *, alpha: float = DEFAULT_ALPHA,
+                rank_weight: float = 1.0, temperature: float = 1.0, scope: str = "sequence") -> jax.Array:
+    """Smooth-L1 to the normalised labels (`normalise_labels`) + alpha * smoothness + rank_weight * the
+    listwise cross-entropy of softmax(prediction / temperature) against softmax(label / temperature), over
+    the tokens of the whole sequence (scope "sequence": what a pooled budget ranks) or of each layer and
+    head. `x [L, T, F]`, `labels f32[L, T, H]`, `valid bool[T]`: one cached sequence. Scalar f32."""
+    target = normalise_labels(labels, valid, scope)
+    pred = cached_predictions(head_params, x)
+    w = jnp.broadcast_to(valid[None, :, None], pred.shape).astype(jnp.float32)
+    fit = jnp.sum(optax.huber_loss(pred, target, delta=1.0) * w) / jnp.sum(w)
+    pairs = w[:, 1:] * w[:, :-1]
+    smooth = jnp.sum(jnp.square(pred[:, 1:] - pred[:, :-1]) * pairs) / jnp.maximum(jnp.sum(pairs), 1.0)
+    axes = (0, 1, 2) if scope == "sequence" else (1,)
+    masked = lambda z: jnp.where(w > 0, z / temperature, -jnp.inf)  # noqa: E731
+    p = jax.nn.softmax(masked(target), axis=axes)
+    logp = jax.nn.log_softmax(masked(pred), axis=axes)
+    rank = -jnp.sum(jnp.where(w > 0, p * logp, 0.0)) / (1 if scope == "sequence" else pred.shape[0] * pred.shape[2])
+    return fit + alpha * smooth + rank_weight * rank
+
+
+def make_cached_step(optimizer: optax.GradientTransformation, **loss_options):
+    """A jitted `step(head_params, opt_state, x, labels, valid) -> (head_params, opt_state, loss)` of
+    `ranked_loss` (its keyword options fixed here) on one cached sequence; heads and optimizer state donated."""
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(head_params, opt_state, x, labels, valid):
+        loss, grads = jax.value_and_grad(ranked_loss)(head_params, x, labels, valid, **loss_options)
+        updates, opt_state = optimizer.update(grads, opt_state, head_params)
+        return optax.apply_updates(head_params, updates), opt_state, loss
+
+    return step
+
+
+def top_share_recall(pred, labels, valid, share: float, pooled: bool = True) -> float:
+    """Share of the label's top `share` of the real tokens that the prediction's top `share` holds, pooled
+    over all layers and heads (`pooled`) or per layer and head (then averaged). `pred`, `labels [L, T, H]`
+    (numpy or arrays), `valid bool[T]`."""
+    import numpy as np
+
+    pred, labels, valid = np.asarray(pred, np.float32), np.asarray(labels, np.float32), np.asarray(valid, bool)
+    pred, labels = pred[:, valid], labels[:, valid]  # [L, n, H]
+    if pooled:
+        pred, labels = pred.reshape(1, -1, 1), labels.reshape(1, -1, 1)
+    b = max(1, int(round(share * pred.shape[1])))
+    top = lambda a: np.argsort(-a, axis=1)[:, :b]  # noqa: E731
+    hits = [len(np.intersect1d(tp[:, h], tl[:, h])) / b for tp, tl in zip(top(pred), top(labels))
+            for h in range(pred.shape[2])]
+    return float(np.mean(hits))

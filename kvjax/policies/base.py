@@ -105,6 +105,7 @@ class LayerView(NamedTuple):
     window_q: Any = None  # [B, w, Hq, D]
     window_pos: Any = None  # int32[B, w], -1 for rows before the prompt start
     final_chunk: Any = None  # bool[B] per-chunk compression: this is each sequence's last prefill chunk
+    pool_threshold: Any = None  # f32[B] with `Policy.pooled_budget`: the score of the pooled budget's last slot
     q: Any = None  # [B, Hq, D] the decode step's query (post-RoPE)
     row_max: Any = None  # f32[B, Hq] the decode attention's row max of the scaled logits
     row_sum: Any = None  # f32[B, Hq] and its row sum: p = exp(q.k / sqrt(D) - row_max) / row_sum
@@ -193,6 +194,13 @@ class Policy:
         """A pass over the prompt after prefill that scores its slots before `compress_layer` (KVzip), or None."""
         return None
 
+    @property
+    def pooled_budget(self) -> int | None:
+        """Slots per kv head and compressed layer, on average, when the budget is pooled over all compressed
+        layers and heads at each compression: `compress_step` then gives `compress_layer` the score of the
+        pool's last kept slot (`LayerView.pool_threshold`). None: each layer decides alone."""
+        return None
+
     def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
         """Most slots one head keeps after `compress_layer` for a prompt of `prompt_len` (static)."""
         return prompt_len
@@ -241,7 +249,7 @@ class Policy:
 # Each role's members: its hook and what the steps ask of a policy playing it (inputs, sizes, where it acts).
 ROLE_MEMBERS: dict[str, tuple[str, ...]] = {
     "compress": ("compresses", "accumulates_attention", "window_size", "chunks", "scoring_pass", "kept_bound",
-                 "compresses_layer", "compress_layer", "slots_needed"),
+                 "pooled_budget", "compresses_layer", "compress_layer", "slots_needed"),
     "select": ("selects_pages", "select_pages", "selects_slots", "keeps_key_sketch", "attach_sketch", "sketch_keys"),
     "evict": ("evicts_while_decoding", "decode_budget", "decode_scores"),
 }

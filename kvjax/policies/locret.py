@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from kvjax.policies.base import ChunkSchedule, LayerView, Policy, register_policy
 from kvjax.policies.eviction import NEG, keep_top, recent
 
+POOLS = ("all", "head")
+
 def _as_heads(heads):
     from kvjax.policies.locret_heads import RetainingHeads, load_heads
 
@@ -36,6 +38,8 @@ class Locret(Policy):
     token_budget: int = 128  # slots a head keeps after prefill, local_tail included
     stabilizers: int = 32  # n_s: the newest slots kept at each non-final chunk
     local_tail: int = 16  # n_loc: last prompt tokens appended without eviction
+    pool: str = "head"  # "head": per kv head; "all": pooled over all compressed layers and kv heads (one device)
+    head_cap: int = 4  # pool="all": a head keeps at most head_cap * (token_budget - local_tail) slots (its memory)
     heads: Any = dataclasses.field(default=None, compare=False)  # data: never part of the identity
 
     def __post_init__(self):
@@ -52,6 +56,15 @@ class Locret(Policy):
     def evict_budget(self) -> int:
         return self.token_budget - self.local_tail
 
+    @property
+    def pooled_budget(self) -> int | None:
+        return self.evict_budget if self.pool == "all" else None
+
+    @property
+    def head_bound(self) -> int:
+        """Most slots a head keeps after a chunk's eviction (stabilizers included)."""
+        return self.evict_budget * (self.head_cap if self.pool == "all" else 1)
+
     def validate(self, page_size: int) -> None:
         super().validate(page_size)
         if self.local_tail < 0:
@@ -60,6 +73,10 @@ class Locret(Policy):
             raise ValueError(
                 f"locret: token_budget={self.token_budget} must exceed local_tail={self.local_tail}"
             )
+        if self.pool not in POOLS:
+            raise ValueError(f"locret: pool must be one of {', '.join(POOLS)}, got {self.pool!r}")
+        if self.head_cap < 1:
+            raise ValueError(f"locret: head_cap must be >= 1, got {self.head_cap}")
         if not 0 <= self.stabilizers < self.evict_budget:
             raise ValueError(
                 f"locret: stabilizers must be in [0, token_budget - local_tail = {self.evict_budget}), "
@@ -67,11 +84,11 @@ class Locret(Policy):
             )
 
     def slots_needed(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> int:
-        bound = self.evict_budget + max(chunk_size, self.local_tail + max_new_tokens)
+        bound = self.head_bound + max(chunk_size, self.local_tail + max_new_tokens)
         return min(prompt_len + max_new_tokens, bound)
 
     def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
-        return min(prompt_len, self.evict_budget)
+        return min(prompt_len, self.head_bound)
 
     @property
     def chunks(self) -> ChunkSchedule:
@@ -82,7 +99,11 @@ class Locret(Policy):
         stable = recent(view, self.stabilizers) & ~final[:, None, None]
         scores = jnp.where(stable, jnp.inf, view.slot_score)
         scores = jnp.where(view.valid, scores, NEG)
-        return keep_top(scores, jnp.minimum(self.evict_budget, view.lengths), keep_bound)
+        if view.pool_threshold is None:
+            return keep_top(scores, jnp.minimum(self.evict_budget, view.lengths), keep_bound)
+        # pooled: every slot at or above the pool's threshold, the stabilizers besides, at most head_bound
+        kept = (view.valid & (view.slot_score >= view.pool_threshold[:, None, None])) | (stable & view.valid)
+        return keep_top(scores, jnp.minimum(kept.sum(-1), keep_bound), keep_bound)
 
 
 def _retaining_scores(layer, inputs, params) -> jax.Array:
