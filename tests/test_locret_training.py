@@ -208,3 +208,53 @@ def test_bfloat16_train_steps(hf_models, heads_dtype):
             assert w.dtype == heads_dtype, (layer, name, w.dtype)
             assert np.abs(np.asarray(w, np.float32) - before[layer][name].astype(np.float32)).max() > 0, (layer, name)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(model.params))
+
+
+def test_kvzip_targets_are_the_kvzip_policys_scores():
+    """`kvzip_targets`: the heads' inputs of `compute_targets` and the log of the score the kvzip policy
+    itself writes after its reconstruction pass (budget above the prompt: nothing pooled away)."""
+    from kvjax.engine.decode import layer_view
+    from kvjax.locret.data import Example
+    from kvjax.locret.labels import kvzip_targets
+
+    model = kvjax.load_model(TINY)
+    prefix = random_tokens(21, (1, 40))[0]
+    batch = make_batch([Example(prefix, np.array([5, 6], np.int32))], chunk_size=16)
+    targets = kvzip_targets(model, batch, chunk_size=16)
+    plain = compute_targets(model.params, batch, cfg=model.cfg, dtype=model.dtype, chunk_size=16)
+    for got, want in zip(targets[:3], plain[:3]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    state, _ = kvjax.prefill(model, prefix[None], policy=kvjax.make_policy("kvzip", token_budget=64), max_new_tokens=2)
+    L = model.cfg.num_layers
+    for layer in range(L):
+        view = layer_view(state, layer, L, state.next_position)
+        for h in range(model.cfg.num_kv_heads):
+            pos, score = np.asarray(view.slot_pos[0, h]), np.asarray(view.slot_score[0, h])
+            real = (pos >= 4) & np.asarray(view.valid[0, h])  # past the 4 sinks (+inf)
+            np.testing.assert_allclose(np.asarray(targets.labels[layer, 0, pos[real], h]),
+                                       np.log(np.maximum(score[real], 1e-8)), rtol=1e-4, atol=1e-4)
+
+
+def test_ranked_loss_and_pooled_recall():
+    from kvjax.locret.training import cached_predictions, normalise_labels, ranked_loss, top_share_recall
+
+    rng = np.random.default_rng(3)
+    L, T, H = 2, 24, 2
+    labels = rng.normal(size=(L, T, H)).astype(np.float32)
+    valid = np.arange(T) < 20
+    assert top_share_recall(labels, labels, valid, 0.25) == 1.0
+    assert top_share_recall(-labels, labels, valid, 0.25) == 0.0
+    # pooled: a prediction that ranks every head alike but shifts one layer up keeps per-head recall, loses pooled
+    shifted = labels + np.array([10.0, 0.0])[:, None, None]
+    assert top_share_recall(shifted, labels, valid, 0.25, pooled=False) == 1.0
+    assert top_share_recall(shifted, labels, valid, 0.25) < 1.0
+    z = np.asarray(normalise_labels(jnp.asarray(labels), jnp.asarray(valid)))
+    assert abs(z[:, valid].mean()) < 1e-5 and abs(z[:, valid].std() - 1) < 1e-4 and (z[:, ~valid] == 0).all()
+    heads = init_heads(HeadsConfig(L, 2, H, 4, 8), seed=0).params
+    x = jnp.asarray(rng.normal(size=(L, T, (2 + 2 * H) * 4)), jnp.float32)
+    pred = np.asarray(cached_predictions(heads, x))
+    np.testing.assert_allclose(pred[1], np.asarray(retaining_scores(heads["layer_1"], x[1, None, :, :8].reshape(1, T, 2, 4),
+                               x[1, None, :, 8:16].reshape(1, T, 2, 4), x[1, None, :, 16:].reshape(1, T, 2, 4)))[0],
+                               rtol=1e-5, atol=1e-5)
+    loss = lambda target: float(ranked_loss(heads, x, jnp.asarray(target), jnp.asarray(valid)))  # noqa: E731
+    assert loss(pred) < loss(-pred)  # labels the heads already rank well cost less

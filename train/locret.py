@@ -262,7 +262,7 @@ def train_on_kvzip(args, model, examples, config, heads, skipped: dict) -> dict:
     if not 0 < args.heldout < len(examples):
         raise SystemExit(f"--heldout must be in [1, {len(examples)}), got {args.heldout}")
     setting = {k: getattr(args, k) for k in ("data", "data_rows", "data_lengths", "data_seed", "max_length",
-                                             "max_answer", "chunk_size", "limit", "model")}
+                                             "max_answer", "chunk_size", "model")}
     started, load_before = time.perf_counter(), os.getloadavg()
     paths = cache_kvzip_targets(model, examples, args.cache or os.path.join(args.out, "targets"), args.chunk_size,
                                 setting, not args.no_progress)
