@@ -74,9 +74,12 @@ def read_all(file: str, entries: dict[str, Entry], into: Callable[[str, Entry], 
         def read(view: memoryview) -> None:
             nonlocal crc, position
             for at in range(0, len(view), BLOCK):
-                block = view[at : at + BLOCK]
-                if f.readinto(block) != len(block):
-                    raise TensorFileError(f"{file}: truncated (ends inside its data, at byte {position})")
+                block, filled = view[at : at + BLOCK], 0
+                while filled < len(block):  # a raw read may return less than asked before the end
+                    count = f.readinto(block[filled:])
+                    if not count:
+                        raise TensorFileError(f"{file}: truncated (ends inside its data, at byte {position + filled})")
+                    filled += count
                 crc = zlib.crc32(block, crc)
                 position += len(block)
 
