@@ -38,7 +38,57 @@ def rendered(module: str, json_path: str, root: str = ROOT) -> str:
         with open(os.path.join(root, path)) as f:
             payloads.append(json.load(f))
     payload = payloads[0] if len(payloads) == 1 else payloads
-    return getattr(program, function or "render")(payload).strip() + "\n"
+    text = getattr(program, function or "render")(payload).strip() + "\n"
+    if (module + (":" + function if function else "")) in SPEED:
+        note = load_note(payload)
+        text += "\n" + note if note else ""
+    return text
+
+
+# Render programs whose tables show speed (seconds, tokens/s, bytes/s). Under a speed table measured with the
+# machine shared (a 1-minute load above QUIET_LOAD when the run started) or with no load recorded, `rendered`
+# adds a line that says so; tests/test_rendered.py fails on a program whose JSON holds timings and that is in
+# neither set. Accuracy tables that only record their own run's seconds are in NOT_SPEED.
+QUIET_LOAD = 1.5
+SPEED = {
+    "eval._tables:demo", "eval.bench_decode", "eval.bench_real", "eval._tables:suite_times", "eval._tables:cacheclip",
+    "eval._tables:cacheclip_by_ratio", "eval._tables:cacheclip_at_20", "eval._tables:compile_times",
+    "eval.bench_jenga_engine", "eval._tables:retired_engine", "eval._tables:attention", "eval._tables:attention_stages",
+    "eval.bench_locret_labels", "eval._tables:policies", "eval._tables:policies_by_page_dtype",
+    "eval._tables:selection_speed", "eval._tables:serving_load", "eval.bench_load:interleave_table",
+    "eval._tables:dispatch", "eval.bench_saved_state", "eval.bench_tests",
+}
+NOT_SPEED = {  # their JSON records seconds the table does not show, or shows a wall time that is no speed claim
+    "eval.sweep:headline_table", "eval.sweep:selection_headline", "eval._tables:aux_recall",
+    "eval.bench_serving:markdown_table", "eval._tables:jenga_waste",  # a replayed trace: steps, not seconds
+    "eval._tables:locret_quality", "eval.sweep:accuracy_table", "eval._tables:locret_kvzip_training",
+    "eval._tables:locret_memory", "eval.perplexity:perplexity_table", "eval.quest_adaptive:table",
+    "eval.sweep:accuracy_table_with_load", "eval.selection_aim",
+}
+
+
+def start_load(payload) -> float | None:
+    """The 1-minute load average a run recorded at its start; for several runs the highest, and None when any
+    recorded none."""
+    loads = []
+    for run in payload if isinstance(payload, list) else [payload]:
+        found = [run[key][0] for key in ("cpu_load_before", "load_before", "load_start")
+                 if isinstance(run.get(key), list) and run[key]]
+        if not found:
+            return None
+        loads.append(found[0])
+    return max(loads)
+
+
+def load_note(payload) -> str:
+    """The line under a speed table that was not measured quiet ('' for a quiet one)."""
+    load = start_load(payload)
+    if load is None:
+        return "*This run recorded no load: its speed figures may come from a shared machine.*\n"
+    if load > QUIET_LOAD:
+        return (f"*Measured with the machine shared (1-minute load {load:g} at the start, above {QUIET_LOAD:g}): "
+                "its speed figures are not a quiet measurement.*\n")
+    return ""
 
 
 def blocks(text: str) -> list[tuple[str, str, str]]:

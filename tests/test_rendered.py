@@ -77,3 +77,33 @@ def test_every_written_result_records_the_load(tmp_path):
     recorded = json.load(open(paths["json"]))
     assert "cpu_load_before" in recorded and "cpu_load_after" in recorded
     assert "Load average before/after" in open(paths["md"]).read()
+
+
+_TIMING_KEY = re.compile(r'"\w*(tokens_per_s|gbps|_ms|step_s|ttft_s|itl_s|compile_s|warm_s|cold_s|prefill_s|run_s)"')
+
+
+def test_every_table_with_timings_is_sorted_as_speed_or_not():
+    """A rendered program whose JSON holds timings is in `_render.SPEED` (its table then says when it was not
+    measured quiet) or in `_render.NOT_SPEED`: a new speed table cannot skip the note by being unlisted."""
+    unsorted = sorted({module for _, module, json_path, _ in BLOCKS
+                       if module not in _render.SPEED | _render.NOT_SPEED
+                       and any(_TIMING_KEY.search(open(os.path.join(_render.ROOT, p)).read())
+                               for p in json_path.split(","))})
+    assert not unsorted, f"add these render programs to _render.SPEED or _render.NOT_SPEED: {unsorted}"
+
+
+@pytest.mark.parametrize("load, note", [([0.3, 1, 1], ""), ([12.9, 8, 6], "shared"), (None, "no load")])
+def test_a_speed_table_not_measured_quiet_says_so(tmp_path, load, note):
+    import sys
+    import types
+
+    module = types.ModuleType("fake_speed_program")
+    module.render = lambda payload: "| tok/s |\n|---|\n| 9 |"
+    sys.modules["fake_speed_program"] = module
+    (tmp_path / "x.json").write_text(json.dumps({"cpu_load_before": load} if load else {}))
+    _render.SPEED.add("fake_speed_program")
+    try:
+        text = _render.rendered("fake_speed_program", "x.json", str(tmp_path))
+    finally:
+        _render.SPEED.discard("fake_speed_program")
+    assert (note in text) if note else text == "| tok/s |\n|---|\n| 9 |\n"
