@@ -119,3 +119,14 @@ def test_a_compressing_policy_shares_nothing_on_a_hybrid_model(gemma):
         assert got == _alone(gemma, row, 6, policy)
     assert engine.shared_pages == 0 and engine.leaked_pages == 0
     _all_pages_back(pools[0])
+
+
+def test_a_row_joins_only_when_the_pool_holds_it_to_its_end(gemma):
+    """A pool of five large pages holds two rows' prompts but not their last tokens: the second request waits
+    for the first to finish instead of running the pool out of pages mid-decode."""
+    rows = _prompts(0, [53, 53], seed=3)
+    engine, tokens, pools = _serve(gemma, rows, 10, pool_pages=50)
+    assert pools[0].num_pages == 50 and pools[0].large_pages == 10
+    for row, got in zip(rows, tokens):
+        assert got == _alone(gemma, row, 10)
+    assert engine.leaked_pages == 0

@@ -139,6 +139,23 @@ class RowPool:
                     out[members[:, 0], members[:, 1], : hit.num_tokens // spec.tokens_per_page] = True
         return out
 
+    def device_page_count(self, blocks: dict[str, int]) -> int:
+        """Device pages of `blocks` small pages per group."""
+        return sum(blocks.get(s.name, 0) * len(m) for s, m in zip(self.specs, self.members))
+
+    def held_pages(self, request_id: str) -> int:
+        """Device pages the request's tables hold (shared ones included)."""
+        tables = self.allocator.block_tables(request_id)
+        return self.device_page_count({name: sum(p >= 0 for p in pages) for name, pages in tables.items()})
+
+    def hit_blocks(self, hit: PrefixHit | None) -> dict[str, int]:
+        """Small pages per group of a hit that live rows hold already (sharing them takes no room; a cached
+        page it revives does)."""
+        if hit is None:
+            return {}
+        return {name: sum(p >= 0 and self.allocator.page_refcount(name, p) > 0 for p in pages)
+                for name, pages in hit.pages.items()}
+
     def live_pages(self) -> int:
         """Device pages held by requests (not free, not cached for reuse)."""
         stats = self.allocator.stats()

@@ -400,8 +400,11 @@ class BatchEngine:
         room for it now."""
         pool, rid, P = batch.pool, item.request.request_id, batch.tables.shape[-1]
         hit = pool.hit(item.prefix, self.chunk_size)
+        held = np.minimum(self._held_pages(item.state), P)
+        if not self._room_to_finish(batch, item, held, hit):
+            return False
         try:
-            placed = pool.allocator.reserve(rid, pool.blocks(np.minimum(self._held_pages(item.state), P)), hit)
+            placed = pool.allocator.reserve(rid, pool.blocks(held), hit)
         except RequestTooLargeError:
             return False  # `step` reports it when nothing live can make room
         if placed is None:
@@ -419,6 +422,24 @@ class BatchEngine:
         if len(item.prefix):
             pool.allocator.register_prefix(rid, item.prefix)
         return True
+
+    def _room_to_finish(self, batch: _Batch, item: _Prefilled, held: np.ndarray, hit) -> bool:
+        """Whether the pool can hold `item` (holding `held int[L, H]` pages, sharing `hit`'s) and every live
+        row of `batch` up to their last tokens: a row joins only then, so rows never run out of pages
+        mid-decode (no preemption). Counted in device pages, a large page per group kept for rounding."""
+        pool, P = batch.pool, batch.tables.shape[-1]
+        lengths = self.backend.fetch(batch.state.lengths)  # [..., L, R, H]
+        lengths = lengths.reshape((-1,) + lengths.shape[-3:]).max(axis=0)
+        remaining = np.array([0 if r is None else r.max_new_tokens - len(r.tokens) for r in batch.rows])
+        final = pool.pages_ahead(lengths, remaining, batch.read_pages or None, P)  # [L, R, H]
+        needed = sum(pool.device_page_count(pool.blocks(final[:, slot])) - pool.held_pages(r.request_id)
+                     for slot, r in enumerate(batch.rows) if r is not None)
+        row_lengths = self.backend.fetch(item.state.lengths)
+        row_lengths = row_lengths.reshape((-1,) + row_lengths.shape[-3:]).max(axis=0)  # [L, 1, H]
+        left = np.array([item.request.max_new_tokens - len(item.request.tokens)])
+        mine = np.maximum(pool.pages_ahead(row_lengths, left, item.state.read_pages, P)[:, 0], held)
+        needed += pool.device_page_count(pool.blocks(mine)) - pool.device_page_count(pool.hit_blocks(hit))
+        return pool.live_pages() + needed <= pool.num_pages - len(pool.specs) * pool.large_pages
 
     def _place_ahead(self, batch: _Batch, limit: np.ndarray) -> None:
         """Reserve the pages the next dispatch's tokens (`limit int[R]` a row at most) may write, in the
