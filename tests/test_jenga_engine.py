@@ -107,6 +107,8 @@ def test_window_pages_are_a_rows_own_and_stop_growing(gemma):
                 assert not set(window[:, 0][window[:, 0] >= 0]) & set(window[:, 1][window[:, 1] >= 0])
                 shared = 2 * CHUNK // PAGE
                 np.testing.assert_array_equal(table[5, 0, :, :shared], table[5, 1, :, :shared])
+                stats, pool = batch.pool.allocator.stats(), batch.pool  # the fast count agrees with the walk
+                assert pool.live_pages() == sum(g.live_pages * len(m) for g, m in zip(stats.groups, pool.members)) > 0
                 seen += 1
     assert seen and engine.leaked_pages == 0
 

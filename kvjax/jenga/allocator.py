@@ -825,6 +825,14 @@ class JengaAllocator:
     def num_free_large_pages(self) -> int:
         return self._pool.num_free_large()
 
+    def num_live_pages(self) -> dict[str, int]:
+        """Per group, small pages requests hold (refcount > 0): O(large pages), unlike `stats`."""
+        live = [0] * len(self.specs)
+        for large, group in enumerate(self._pool.large_group):
+            if group >= 0:
+                live[group] += self._pool.large_live[large]
+        return {spec.name: n for spec, n in zip(self.specs, live)}
+
     def evictable_pages(self, group: str) -> list[int]:
         """Evictable pages of `group`, in the order they would be evicted."""
         return self._pool.evictable_in_order(self.layout.group_index(group))

@@ -158,8 +158,7 @@ class RowPool:
 
     def live_pages(self) -> int:
         """Device pages held by requests (not free, not cached for reuse)."""
-        stats = self.allocator.stats()
-        return sum(g.live_pages * len(m) for g, m in zip(stats.groups, self.members))
+        return self.device_page_count(self.allocator.num_live_pages())
 
 
 __all__ = ["FULL", "RowPool", "layer_groups"]
