@@ -204,10 +204,10 @@ class BatchEngine:
         self.memory_every = memory_every
         self.memory_samples: list[MemorySample] = []
         self._place_row, self._place_pages, self._clear_row = _row_operations(self.backend.placement)
-        prefix_cache_bytes = 0 if sharded else prefix_cache_bytes  # its resume inserts a one-device row
-        # one byte budget for prefix carries and whatever else shares it (RAG chunks: ChunkStore(lru=...))
+        # one byte budget for prefix carries and whatever else shares it (RAG chunks: ChunkStore(lru=...), saved
+        # documents); no prefix carries on a mesh (their resume inserts a one-device row)
         self.cache = BytesLRU(prefix_cache_bytes, disk=disk_cache)
-        self.prefix = PrefixStates(lru=self.cache) if prefix_cache_bytes else None
+        self.prefix = PrefixStates(lru=self.cache) if prefix_cache_bytes and not sharded else None
         self.waiting: deque[BatchRequest] = deque()
         self.prefilling: BatchRequest | None = None  # the request whose prefill is in progress
         self._prefill_steps = None  # its generator (`_prefill`)
@@ -255,11 +255,16 @@ class BatchEngine:
         assembled and recomputed RAG context, `kvjax.rag.rag_prefill(...).state`) and its last `logits
         f32[1, V]`. It continues as an ordinary request: first token sampled from `logits`, then decoded in
         a batch with `policy`'s decode-time roles (default full). Its page table may be narrower than the
-        engine's capacity, not wider."""
-        if self.backend.placement.sharded:
-            raise ValueError("submit_prefilled takes a one-device state; this engine's states live on a mesh")
-        if state.page_table.shape[1] != 1:
-            raise ValueError(f"submit_prefilled takes a one-sequence state, got {state.page_table.shape[1]} sequences")
+        engine's capacity, not wider. On a mesh the state is stacked where the engine's states live (each head
+        shard's pages on its own pool: `kvjax.load_state(..., backend=engine.backend)`)."""
+        stacked = state.page_table.ndim == 6  # [Sd, Sm, L, B, H, P]: a mesh's stacked state
+        if stacked != self.backend.placement.sharded:
+            raise ValueError(
+                "submit_prefilled got a one-device state, but this engine's states live on a mesh: load it with "
+                "backend=engine.backend" if self.backend.placement.sharded else "submit_prefilled got a state "
+                f"stacked over {state.page_table.shape[:2]} mesh shards, but this engine's states live on one device")
+        if state.page_table.shape[-3] * (state.page_table.shape[0] if stacked else 1) != 1:
+            raise ValueError(f"submit_prefilled takes a one-sequence state, got page table {state.page_table.shape}")
         if state.page_size != self.page_size or state.max_pages > pages_for(self.capacity, self.page_size):
             raise ValueError(f"the state's page size {state.page_size} and {state.max_pages} pages per head must "
                              f"fit the engine's {self.page_size} and {pages_for(self.capacity, self.page_size)}")

@@ -127,7 +127,7 @@ class Worker:
                                               disk_cache=self.disk)
         self.engine = self.new_engine()
         # saved documents live in the engine's byte-bounded LRU, beside its prefix states
-        self.documents = documents_dir and SavedDocuments(documents_dir, model, self.engine.cache, page_size)
+        self.documents = documents_dir and SavedDocuments(documents_dir, model, self.engine.cache, page_size, backend)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.running: dict[str, Job] = {}
         self.thread = threading.Thread(target=self._loop, name="kvjax-serve", daemon=True)

@@ -11,6 +11,7 @@ import jax
 
 from kvjax.cache.state import CacheCapacityError
 from kvjax.engine.saved_state import SavedState, load_state, question_fed
+from kvjax.engine.step import StepBackend
 from kvjax.models.loading import Model
 from kvjax.util.lru import BytesLRU
 
@@ -26,12 +27,15 @@ class DocumentStats:
 
 class SavedDocuments:
     """Saved states under `directory/<document id>/`, loaded for `model` with the engine's `page_size` and
-    page dtype, held in `lru` (the engine's `BytesLRU`, shared with its prefix states) by bytes."""
+    page dtype, held in `lru` (the engine's `BytesLRU`, shared with its prefix states) by bytes, placed where
+    `backend` (the engine's) keeps its states: on a mesh, each head shard's pages on its own pool."""
 
-    def __init__(self, directory: str | os.PathLike, model: Model, lru: BytesLRU, page_size: int):
+    def __init__(self, directory: str | os.PathLike, model: Model, lru: BytesLRU, page_size: int,
+                 backend: StepBackend | None = None):
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"saved documents folder {os.fspath(directory)!r} does not exist")
         self.directory, self.model, self.lru, self.page_size = os.fspath(directory), model, lru, page_size
+        self.backend = backend
         self.stats = DocumentStats()
 
     def get(self, document: str) -> SavedState:
@@ -46,7 +50,8 @@ class SavedDocuments:
             path = os.path.join(self.directory, document)
             if not os.path.isdir(path):
                 raise FileNotFoundError(f"no saved document {document!r} (no folder {path})")
-            saved = load_state(path, self.model, page_size=self.page_size, page_dtype=self.model.cache_dtype)
+            saved = load_state(path, self.model, page_size=self.page_size, page_dtype=self.model.cache_dtype,
+                               backend=self.backend)
             size = sum(x.nbytes for x in jax.tree.leaves(saved.state))
             self.lru.put(key, saved, size)  # not kept when alone larger than the budget: then loaded again
             self.stats.loads += 1

@@ -1,0 +1,87 @@
+"""Saved documents served on a mesh, on 2 simulated CPU devices: a state saved on one device joins a 1x2 serving
+engine's batch (each head shard's pages on its own pool) and answers as the one-device engine does; then `kvjax
+serve --mesh 1x2 --documents DIR` answers a `kv_state` request. Prints one JSON object (tests/test_saved_state.py
+asserts on it). XLA_FLAGS: set before jax starts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kvjax.distributed.launch import simulated_cpu_xla_flags  # noqa: E402  (jax makes no backend yet)
+
+os.environ["XLA_FLAGS"] = simulated_cpu_xla_flags(2, " ".join(
+    [os.environ.get("XLA_FLAGS", ""),  # compile time dominates these tiny runs; every side uses the same flags
+     "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]))
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import urllib.request  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kvjax  # noqa: E402
+from kvjax import distributed as dist  # noqa: E402
+from kvjax.cli import build_parser, server_of  # noqa: E402
+from kvjax.serving.batch_engine import BatchEngine  # noqa: E402
+from kvjax.serving.http import serve_in_background  # noqa: E402
+from kvjax.serving.saved_documents import SavedDocuments  # noqa: E402
+
+PAGE = 8
+DOC = np.random.default_rng(48).integers(3, 120, 90).tolist()
+QUESTIONS = [[7, 19, 33, 5, 61], [44, 2, 90]]  # two rows of one batch, each from its own copy of the document
+NEW = 6
+POLICY = ("quest", dict(token_budget=32, dense_layers=1))  # pages, min/max metadata and decode-time selection
+ENGINE = dict(max_rows=2, capacity=256, page_size=PAGE, chunk_size=32, steps_per_dispatch=4)
+
+
+def answers(model, folder, backend=None) -> tuple[list, int, tuple]:
+    """Every question answered from the saved document at once by one engine: tokens, leaked pages, loads."""
+    engine = BatchEngine(model, backend=backend, **ENGINE)
+    documents = SavedDocuments(folder, model, engine.cache, PAGE, engine.backend)
+    ids = [documents.submit(engine, "doc", q, NEW, eos_token_id=[]) for q in QUESTIONS]
+    done = engine.run()
+    return [done[i].tokens for i in ids], engine.leaked_pages, (documents.stats.loads, documents.stats.lookups)
+
+
+def main() -> None:
+    model = kvjax.load_model("tiny")
+    policy = kvjax.make_policy(POLICY[0], **POLICY[1])
+    folder = tempfile.mkdtemp(prefix="kvjax-documents-")
+    state, logits = kvjax.prefill(model, [DOC], policy, page_size=PAGE, max_new_tokens=32)
+    kvjax.save_state(state, os.path.join(folder, "doc"), model=model, policy=policy, logits=logits, model_name="tiny")
+    saved = kvjax.load_state(os.path.join(folder, "doc"), model)
+    out = {"devices": len(jax.devices()),
+           "alone": [[int(t) for t in kvjax.generate_from_state(model, saved, q, NEW)[0]] for q in QUESTIONS]}
+    out["one_device"], _, _ = answers(model, folder)
+    sharded_model, backend = dist.on_mesh(model, dist.make_mesh(1, 2))
+    out["mesh"], out["leaked_pages"], out["loads_lookups"] = answers(sharded_model, folder, backend)
+
+    args = build_parser().parse_args(["serve", "--mesh", "1x2", "--max-rows", "2", "--max-context", "256",
+                                      "--page-size", str(PAGE), "--chunk-size", "32", "--steps-per-dispatch", "4",
+                                      "--documents", folder])
+    served_model, config = server_of(args)
+    server = serve_in_background(served_model, config)
+    try:
+        body = json.dumps({"model": "tiny", "prompt": QUESTIONS[0], "max_tokens": NEW, "temperature": 0,
+                           "kv_state": "doc"}).encode()
+        request = urllib.request.Request(f"{server.url}/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            out["http_text"] = json.load(response)["choices"][0]["text"]
+    finally:
+        server.stop()
+    first = [t for t in out["one_device"][0] if t not in model.eos_token_ids]
+    out["expected_text"] = model.tokenizer.decode(first, skip_special_tokens=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _multiprocess_runs import die_with_parent
+
+    die_with_parent()
+    main()
