@@ -94,6 +94,16 @@ def cmd_prefill(args) -> int:
     from kvjax.util.compilation_cache import enable_compilation_cache
     from kvjax.policies.options import parse_spec
 
+    if args.mesh:  # the runtime first (kvjax.distributed.launch); saving gathers the state into this process
+        import jax
+
+        from kvjax import distributed as dist
+
+        dist.initialize()
+        mesh = dist.mesh_from_text(args.mesh)
+        if jax.process_count() > 1 or mesh.shape["data"] != 1:
+            raise SystemExit(f"kvjax prefill --mesh {args.mesh}: one document is one sequence, so the mesh is 1xM "
+                             "(heads over M devices) in one process (the state is saved from host memory)")
     enable_compilation_cache()
     started = time.perf_counter()
     policy = parse_spec(args.policy, page_size=args.page_size, options=args.policy_option)
@@ -102,13 +112,21 @@ def cmd_prefill(args) -> int:
         raise SystemExit(f"{args.model} has no tokenizer; kvjax prefill needs one to read the document")
     ids = model.tokenizer(_read_prompt(args))["input_ids"]
     loaded = time.perf_counter()
-    state, logits = kvjax.prefill(model, [ids], policy, page_size=args.page_size, chunk_size=args.chunk_size,
-                                  max_new_tokens=args.room, allow_longer_context=args.allow_longer_context,
-                                  progress=not args.json)
+    if args.mesh:  # each device prefills its kv heads; save_state merges the shards' pools into one
+        from kvjax.engine.generation import check_context
+
+        check_context(model.cfg, len(ids), 0, args.allow_longer_context)
+        state, logits, _ = dist.prefill_sharded(model, [ids], policy, mesh=mesh, page_size=args.page_size,
+                                                chunk_size=args.chunk_size, max_new_tokens=args.room)
+    else:
+        state, logits = kvjax.prefill(model, [ids], policy, page_size=args.page_size, chunk_size=args.chunk_size,
+                                      max_new_tokens=args.room, allow_longer_context=args.allow_longer_context,
+                                      progress=not args.json)
     kvjax.save_state(state, args.save, model=model, policy=policy, logits=logits, model_name=args.model)
     header = kvjax.read_header(args.save)
     report = {"state": args.save, "model": args.model, "policy": header["policy"], "prompt_tokens": len(ids),
-              "pages": header["pages"], "room": header["room"], "load_s": round(loaded - started, 3),
+              "pages": header["pages"], "room": header["room"], "devices": len(state.k_pages.sharding.device_set),
+              "load_s": round(loaded - started, 3),
               "prefill_s": round(time.perf_counter() - loaded, 3)}
     print(json.dumps(report) if args.json else
           f"saved {args.save}: {len(ids)} tokens, {header['pages']} pages of {header['page_dtype']}, room for "
@@ -317,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     pre.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "int8"], help="KV page dtype")
     pre.add_argument("--allow-longer-context", action="store_true")
+    pre.add_argument("--mesh", default=None, metavar="1xM",
+                     help="prefill with the kv heads split over M devices of this process (docs/sharding.md); the "
+                          "state is saved as from one device")
     pre.add_argument("--json", action="store_true", help="print one JSON object")
     pre.set_defaults(func=cmd_prefill)
 

@@ -1,6 +1,7 @@
 """Saved documents served on a mesh, on 2 simulated CPU devices: a state saved on one device joins a 1x2 serving
 engine's batch (each head shard's pages on its own pool) and answers as the one-device engine does; then `kvjax
-serve --mesh 1x2 --documents DIR` answers a `kv_state` request. Prints one JSON object (tests/test_saved_state.py
+serve --mesh 1x2 --documents DIR` answers a `kv_state` request (argument `serve`); or `kvjax prefill --mesh 1x2
+--save` against the one-device prefill (argument `prefill`). Prints one JSON object (tests/test_saved_documents_mesh.py
 asserts on it). XLA_FLAGS: set before jax starts.
 """
 
@@ -17,6 +18,8 @@ os.environ["XLA_FLAGS"] = simulated_cpu_xla_flags(2, " ".join(
      "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]))
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import contextlib  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
 import urllib.request  # noqa: E402
@@ -27,6 +30,7 @@ import numpy as np  # noqa: E402
 import kvjax  # noqa: E402
 from kvjax import distributed as dist  # noqa: E402
 from kvjax.cli import build_parser, server_of  # noqa: E402
+from kvjax.cli import main as cli  # noqa: E402
 from kvjax.serving.batch_engine import BatchEngine  # noqa: E402
 from kvjax.serving.http import serve_in_background  # noqa: E402
 from kvjax.serving.saved_documents import SavedDocuments  # noqa: E402
@@ -48,7 +52,42 @@ def answers(model, folder, backend=None) -> tuple[list, int, tuple]:
     return [done[i].tokens for i in ids], engine.leaked_pages, (documents.stats.loads, documents.stats.lookups)
 
 
-def main() -> None:
+def keys_read(state) -> tuple[np.ndarray, np.ndarray]:
+    """Which table entries a one-device state uses, and the keys each (layer, sequence, head) reads there."""
+    table = np.asarray(state.page_table)
+    keys = np.asarray(state.k_pages, np.float32)[np.maximum(table, 0)]
+    return table >= 0, np.where((table >= 0).reshape(table.shape + (1,) * (keys.ndim - table.ndim)), keys, 0)
+
+
+def prefill_on_mesh() -> dict:
+    """The same document prefilled by `kvjax prefill` on one device and on a 1x2 mesh, each saved and loaded on
+    one device: headers and greedy answers; and a 2x1 mesh refused by name."""
+    folder = tempfile.mkdtemp(prefix="kvjax-prefill-")
+    spec = f"{POLICY[0]}:" + ",".join(f"{k}={v}" for k, v in POLICY[1].items())
+    common = ["prefill", "--prompt", "The secret code is blue seven. " * 6, "--policy", spec, "--page-size", str(PAGE),
+              "--chunk-size", "32", "--room", "32", "--json"]
+    out, model = {"devices": len(jax.devices())}, kvjax.load_model("tiny")
+    for name, extra in (("one_device", []), ("mesh", ["--mesh", "1x2"])):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = cli(common + ["--save", os.path.join(folder, name)] + extra)
+        saved = kvjax.load_state(os.path.join(folder, name), model)
+        out[name] = {"code": code, "report": json.loads(printed.getvalue()), "batch": saved.header["batch"],
+                     "answers": [[int(t) for t in kvjax.generate_from_state(model, saved, q, NEW)[0]] for q in QUESTIONS]}
+    reads = [keys_read(kvjax.load_state(os.path.join(folder, name), model).state) for name in ("one_device", "mesh")]
+    out["tables_equal"] = bool(np.array_equal(reads[0][0], reads[1][0]))
+    out["keys_max_diff"] = float(np.abs(reads[0][1] - reads[1][1]).max())
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        try:
+            cli(common + ["--save", os.path.join(folder, "refused"), "--mesh", "2x1"])
+        except SystemExit as refused:
+            out["refused"] = str(refused)
+    out["refused_saved"] = os.path.exists(os.path.join(folder, "refused"))
+    return out
+
+
+def serve_on_mesh() -> None:
     model = kvjax.load_model("tiny")
     policy = kvjax.make_policy(POLICY[0], **POLICY[1])
     folder = tempfile.mkdtemp(prefix="kvjax-documents-")
@@ -84,4 +123,7 @@ if __name__ == "__main__":
     from _multiprocess_runs import die_with_parent
 
     die_with_parent()
-    main()
+    if sys.argv[1:] == ["prefill"]:
+        print(json.dumps(prefill_on_mesh()))
+    else:  # serve
+        serve_on_mesh()
