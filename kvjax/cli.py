@@ -150,7 +150,7 @@ def cmd_generate_from_state(args) -> int:
         from kvjax import distributed as dist
 
         model, saved = dist.load_state_sharded(args.state, model, mesh=dist.mesh_from_text(args.mesh),
-                                               extra_tokens=args.extra_tokens, **data)
+                                               extra_tokens=args.extra_tokens, pad_rows=True, **data)
     else:
         saved = kvjax.load_state(args.state, model, extra_tokens=args.extra_tokens, **data)
     loaded = time.perf_counter()

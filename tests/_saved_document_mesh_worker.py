@@ -1,7 +1,8 @@
 """Saved documents served on a mesh, on 2 simulated CPU devices: a state saved on one device joins a 1x2 serving
 engine's batch (each head shard's pages on its own pool) and answers as the one-device engine does; then `kvjax
 serve --mesh 1x2 --documents DIR` answers a `kv_state` request (argument `serve`); or `kvjax prefill --mesh 1x2
---save` against the one-device prefill (argument `prefill`). Prints one JSON object (tests/test_saved_documents_mesh.py
+--save` against the one-device prefill (argument `prefill`); or a one-sequence state on a 2x1 mesh with padding
+rows (argument `padded`). Prints one JSON object (tests/test_saved_documents_mesh.py
 asserts on it). XLA_FLAGS: set before jax starts.
 """
 
@@ -31,6 +32,7 @@ import kvjax  # noqa: E402
 from kvjax import distributed as dist  # noqa: E402
 from kvjax.cli import build_parser, server_of  # noqa: E402
 from kvjax.cli import main as cli  # noqa: E402
+from kvjax.engine.saved_state import held_rows  # noqa: E402
 from kvjax.serving.batch_engine import BatchEngine  # noqa: E402
 from kvjax.serving.http import serve_in_background  # noqa: E402
 from kvjax.serving.saved_documents import SavedDocuments  # noqa: E402
@@ -87,6 +89,26 @@ def prefill_on_mesh() -> dict:
     return out
 
 
+def padded_on_mesh() -> dict:
+    """A one-sequence state loaded onto a 2x1 mesh: refused, then padded (`pad_rows`): the greedy answer against
+    one device's, and the rows the mesh holds."""
+    model = kvjax.load_model("tiny")
+    policy = kvjax.make_policy(POLICY[0], **POLICY[1])
+    path = os.path.join(tempfile.mkdtemp(prefix="kvjax-padded-"), "doc")
+    state, logits = kvjax.prefill(model, [DOC], policy, page_size=PAGE, max_new_tokens=32)
+    kvjax.save_state(state, path, model=model, policy=policy, logits=logits, model_name="tiny")
+    out = {"devices": len(jax.devices()),
+           "one_device": kvjax.generate_from_state(model, kvjax.load_state(path, model), QUESTIONS[0], NEW).tolist()}
+    try:
+        dist.load_state_sharded(path, model, mesh=dist.make_mesh(2, 1))
+    except ValueError as refused:
+        out["refused"] = str(refused)
+    mesh_model, saved = dist.load_state_sharded(path, model, mesh=dist.make_mesh(2, 1), pad_rows=True)
+    out["held_rows"] = held_rows(saved)
+    out["mesh"] = kvjax.generate_from_state(mesh_model, saved, QUESTIONS[0], NEW).tolist()
+    return out
+
+
 def serve_on_mesh() -> None:
     model = kvjax.load_model("tiny")
     policy = kvjax.make_policy(POLICY[0], **POLICY[1])
@@ -125,5 +147,7 @@ if __name__ == "__main__":
     die_with_parent()
     if sys.argv[1:] == ["prefill"]:
         print(json.dumps(prefill_on_mesh()))
+    elif sys.argv[1:] == ["padded"]:
+        print(json.dumps(padded_on_mesh()))
     else:  # serve
         serve_on_mesh()

@@ -41,3 +41,12 @@ def test_cli_prefill_on_a_mesh_saves_what_one_device_saves():
     assert out["tables_equal"] and out["keys_max_diff"] < 1e-4  # the mesh's prefill differs in last bits only
     assert mesh["answers"] == one["answers"]
     assert "one document is one sequence, so the mesh is 1xM" in out["refused"] and not out["refused_saved"]
+
+
+@pytest.mark.slow  # about 15 s of CPU: a prefill, then decode on one device and on a 2x1 mesh
+def test_a_batch_the_data_axis_does_not_divide_is_padded_on_request():
+    out = _worker("padded")
+    assert out["devices"] == 2
+    assert "1 sequences and 2 kv heads cannot split over 2 data" in out["refused"]  # not asked to pad
+    assert out["held_rows"] == 2  # a copy of the sequence on the second data shard
+    assert out["mesh"] == out["one_device"] and len(out["mesh"]) == 1  # the padding row's answer dropped

@@ -148,8 +148,9 @@ def load_state_sharded(path, model: Model, *, mesh: Mesh, on_indivisible: str = 
                        **options) -> tuple[Model, SavedState]:
     """`kvjax.load_state` onto `mesh` (`options`: its keywords): each shard holds the pages of its sequences
     (split over "data") and kv heads (over "model", see `plan_for`) on its own pool. Returns the model placed
-    on `mesh` and the `SavedState`, which `kvjax.generate_from_state(model, saved, ...)` continues there. The
-    saved batch must divide by the data axis. (`kvjax.save_state` takes a state on a mesh as is.)"""
+    on `mesh` and the `SavedState`, which `kvjax.generate_from_state(model, saved, ...)` continues there. A
+    saved batch the data axis does not divide is refused, or with `pad_rows=True` padded with copies of its
+    first sequence (answers of the saved batch only). (`kvjax.save_state` takes a state on a mesh as is.)"""
     model, plan = _placed(model, mesh, on_indivisible)
     return model, load_state(path, model, backend=_backend(mesh, plan), **options)
 

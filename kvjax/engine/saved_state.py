@@ -40,7 +40,9 @@ class SavedStateError(ValueError):
 class SavedState(NamedTuple):
     """What `load_state` returns: the `state` (B sequences, room for `room` more tokens each; on a mesh stacked
     per shard), the `policy` that continues it, the `logits f32[B, V]` at each prompt's last token (None if not
-    saved), the header and the `backend` whose steps continue it (one device, or a mesh's)."""
+    saved), the header and the `backend` whose steps continue it (one device, or a mesh's). Loaded with
+    `pad_rows` onto a data axis B does not divide, `state` and `logits` hold B' > B rows, the extra ones copies
+    of the first sequence (`held_rows`), which `question_fed` feeds and `generate_from_state` drops."""
 
     state: KVState
     policy: Policy
@@ -328,14 +330,15 @@ def continuing_policy(path, header: dict, policy: Policy | None, **policy_data) 
 
 def load_state(path: str | os.PathLike, model: Model, *, policy: Policy | None = None, extra_tokens: int | None = None,
                page_size: int | None = None, page_dtype=None, backend: StepBackend | None = None,
-               **policy_data: Any) -> SavedState:
+               pad_rows: bool = False, **policy_data: Any) -> SavedState:
     """Load the state `save_state` wrote into directory `path`, for `model`, with a pool of its pages plus the
     pages `extra_tokens` more tokens per sequence need (default: the room the saved state had), placed where
     `backend`'s steps hold a state: one device (default), or a mesh (`kvjax.distributed.load_state_sharded`:
     each shard its own rows' and heads' pages). Refuses by name, before anything is placed
     (`SavedStateError`): a missing, truncated or corrupt file, another model, another `page_size` or
     `page_dtype` than given, a `policy` other than the saved one; a read bound that `extra_tokens` outgrows is
-    widened. Returns a `SavedState`."""
+    widened. On a mesh whose data axis does not divide the saved batch, `pad_rows` pads it with copies of the
+    first sequence (refused otherwise). Returns a `SavedState`."""
     path = os.fspath(path)
     header = read_header(path)
     file = os.path.join(path, TENSOR_FILE)
@@ -356,7 +359,7 @@ def load_state(path: str | os.PathLike, model: Model, *, policy: Policy | None =
     placement = backend.placement  # a sharded one (`kvjax.distributed.MeshPlacement`) splits and places shards
     try:
         shards, logits = _read_shards(file, header, model.cfg, room, policy,
-                                      placement.state_shards() if placement.sharded else (1, 1), expected)
+                                      placement.state_shards() if placement.sharded else (1, 1), expected, pad_rows)
     except TensorFileError as error:
         raise SavedStateError(str(error)) from None
     # on one device the host arrays become the device's as they are (XLA:CPU shares their aligned memory)
@@ -396,8 +399,16 @@ def _shard(header: dict, small: dict, room: int, policy: Policy, rows: slice, he
     return _Shard(tensors, pages, read_pages, width, used + int((grown - pages_for(lengths, ps)).sum()))
 
 
+def _padded(small: dict, pad: int) -> dict:
+    """The saved state's small tensors with `pad` copies of sequence 0 after the last (its pages shared)."""
+    def rows(name: str, x: np.ndarray) -> np.ndarray:  # every small tensor is per sequence: [B, ...] or [L, B, ...]
+        axis = 0 if name in ("next_position", "logits") else 1
+        return np.concatenate([x, np.repeat(np.take(x, [0], axis=axis), pad, axis=axis)], axis=axis)
+    return {name: rows(name, x) for name, x in small.items()}
+
+
 def _read_shards(file: str, header: dict, cfg, room: int, policy: Policy, shards: tuple[int, int],
-                 expected: dict) -> tuple[list[list[KVState]], np.ndarray | None]:
+                 expected: dict, pad_rows: bool = False) -> tuple[list[list[KVState]], np.ndarray | None]:
     """The host states (numpy) of each of `shards = (Sd, Sm)` shards, `[d][m]`: rows split over Sd, kv heads
     over Sm, each on a pool of its own pages plus its room, all pools one size; and the saved `logits f32[B, V]`
     or None. The file is read once, the pool tensors of one whole state straight into its pool; its CRC-32 is
@@ -412,11 +423,14 @@ def _read_shards(file: str, header: dict, cfg, room: int, policy: Policy, shards
         raise SavedStateError(f"{file}: corrupt (checksum CRC-32 {crc}, saved {expected.get('crc32')})" if crc != expected.get("crc32")
                               else f"{file}: corrupt (page table or lengths out of range)")
     Sd, Sm = shards
-    if B % Sd or H % Sm:
+    if (B % Sd and not pad_rows) or H % Sm:
         raise ValueError(f"a saved state of {B} sequences and {H} kv heads cannot split over {Sd} data and {Sm} "
-                         "head shards: each must divide its count")
+                         "head shards: each must divide its count (pad_rows=True pads the sequences)")
+    # rows over "data": copies of the first sequence fill the last shard (`small` itself is read again below)
+    rows = _padded(small, -B % Sd) if B % Sd else small
+    B = rows["lengths"].shape[1]
     b, h, whole = B // Sd, H // Sm, Sd * Sm == 1
-    parts = [[_shard(header, small, room, policy, slice(d * b, d * b + b), slice(m * h, m * h + h), whole)
+    parts = [[_shard(header, rows, room, policy, slice(d * b, d * b + b), slice(m * h, m * h + h), whole)
               for m in range(Sm)] for d in range(Sd)]
     N = max(1, *(part.num_pages for row in parts for part in row))
     local = dataclasses.replace(cfg, num_heads=cfg.num_heads // Sm, num_kv_heads=H // Sm)
@@ -446,7 +460,7 @@ def _read_shards(file: str, header: dict, cfg, room: int, policy: Policy, shards
     for d, m in np.ndindex(Sd, Sm):
         part, pool = parts[d][m], pools[d][m]
         states[d][m] = _assembled(header, part, pool, arrays, used if whole else part.pages.size, width, b, h)
-    return states, small.get("logits")
+    return states, rows.get("logits")
 
 
 def _assembled(header: dict, part: _Shard, pool: dict, arrays: dict, used: int, width: int, b: int, h: int) -> KVState:
@@ -486,12 +500,14 @@ def question_fed(model: Model, saved: SavedState, question_ids: Sequence[int] | 
     tokens. The saved state is not changed. Raises `CacheCapacityError` before any work when the question
     and `max_new_tokens` more need more than the state's room."""
     B = saved.header["batch"]
+    held = held_rows(saved)
     rows = list(question_ids)
     rows = [rows] * B if not rows or np.ndim(rows[0]) == 0 else rows
     if len(rows) != B:
         raise ValueError(f"question_ids has {len(rows)} rows but the state holds {B} sequences")
     rows = [as_token_row(r, model.cfg.vocab_size, f"question_ids[{i}]") if len(r) else np.zeros((0,), np.int32)
             for i, r in enumerate(rows)]
+    rows += [rows[0]] * (held - B)  # padding rows (`pad_rows`) ask the first sequence's question
     if saved.logits is None and not all(len(r) for r in rows):
         raise ValueError("this state was saved without its prefill logits: give a question to feed first")
     needed = max(len(r) for r in rows) + max_new_tokens
@@ -501,7 +517,7 @@ def question_fed(model: Model, saved: SavedState, question_ids: Sequence[int] | 
             f"tokens, the loaded state has room for {saved.room}; load it with extra_tokens={needed}",
             pages_for(needed, saved.state.page_size), pages_for(saved.room, saved.state.page_size))
     state = jax.tree.map(jnp.copy, saved.state)  # decode donates its state: the saved one serves many questions
-    logits = saved.backend.put(np.zeros((B, model.cfg.vocab_size), np.float32)) if saved.logits is None else saved.logits
+    logits = saved.backend.put(np.zeros((held, model.cfg.vocab_size), np.float32)) if saved.logits is None else saved.logits
     return feed_tokens(model, state, logits, rows, saved.policy, saved.backend)
 
 
@@ -510,9 +526,17 @@ def generate_from_state(model: Model, saved: SavedState, question_ids: Sequence[
     """Feed `question_ids` to a copy of the saved state (`question_fed`), then sample up to `max_new_tokens`:
     `int32[B, max_new_tokens]`, as `generate` returns (`sampling`: `continue_rows`'s options)."""
     state, logits = question_fed(model, saved, question_ids, max_new_tokens)
-    no_tail = [np.zeros((0,), np.int32)] * saved.header["batch"]
-    return continue_rows(model, state, logits, no_tail, max_new_tokens, saved.policy, backend=saved.backend, **sampling)
+    no_tail = [np.zeros((0,), np.int32)] * held_rows(saved)
+    result = continue_rows(model, state, logits, no_tail, max_new_tokens, saved.policy, backend=saved.backend, **sampling)
+    B = saved.header["batch"]  # padding rows dropped
+    return tuple(x[:B] for x in result) if isinstance(result, tuple) else result[:B]
 
 
-__all__ = ["SavedState", "SavedStateError", "generate_from_state", "load_state", "model_identity", "policy_from_spec",
-           "policy_spec", "question_fed", "read_header", "save_state"]
+def held_rows(saved: SavedState) -> int:
+    """Sequences `saved.state` holds: the saved batch, plus padding rows when loaded with `pad_rows`."""
+    table = saved.state.page_table  # [L, B, H, P], or [Sd, Sm, L, b, H, P] stacked on a mesh
+    return table.shape[1] if table.ndim == 4 else table.shape[0] * table.shape[3]
+
+
+__all__ = ["SavedState", "SavedStateError", "generate_from_state", "held_rows", "load_state", "model_identity",
+           "policy_from_spec", "policy_spec", "question_fed", "read_header", "save_state"]
