@@ -267,6 +267,9 @@ def train_on_kvzip(args, model, examples, config, heads, skipped: dict) -> dict:
     paths = cache_kvzip_targets(model, examples, args.cache or os.path.join(args.out, "targets"), args.chunk_size,
                                 setting, not args.no_progress)
     extract_seconds = time.perf_counter() - started
+    cache = args.cache or os.path.join(args.out, "targets")
+    # the extraction's wall time, resumed or not: from the cache's setting file to its newest target file
+    extract_wall = max(map(os.path.getmtime, paths)) - os.path.getmtime(os.path.join(cache, "setting.json"))
     train, held = paths[: -args.heldout], paths[-args.heldout :]
     optimizer = make_optimizer(args.lr, args.steps, args.warmup, args.b1, args.b2, args.weight_decay, args.clip)
     step_fn = make_cached_step(optimizer, alpha=args.alpha, rank_weight=args.rank_weight,
@@ -294,7 +297,7 @@ def train_on_kvzip(args, model, examples, config, heads, skipped: dict) -> dict:
     save_heads(os.path.join(args.out, "heads"), final, extra={"model": model_name, "steps": args.steps, "label": "kvzip"})
     export_safetensors(final, os.path.join(args.out, "heads.safetensors"), args.export_dtype)
     summary = {"label": "kvzip", "examples": len(examples), "trained_on": len(train), "heldout": len(held),
-               "skipped": skipped, "extract_seconds": extract_seconds, "train_seconds": train_seconds,
+               "skipped": skipped, "extract_seconds": extract_wall, "extract_seconds_this_run": extract_seconds, "train_seconds": train_seconds,
                "load": {"before": load_before, "after": os.getloadavg(), "cpu_count": os.cpu_count()},
                "best_heldout": max(history, key=lambda r: np.mean([r[f"recall@{s:g}"] for s in args.recall_shares])),
                "heldout_history": history, "untrained_heldout": heldout_recall(
