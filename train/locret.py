@@ -218,12 +218,12 @@ def _cached(path: str, chunk: int):
     """One cached sequence, padded to a bucketed width (few compiles): (x f16[L, Tb, F], labels, valid bool[Tb])."""
     import numpy as np
 
-    from kvjax.locret.data import _bucket
+    from kvjax.locret.data import padded_width
 
     with np.load(path) as f:
         x, labels = f["x"], f["labels"]
     T = x.shape[1]
-    Tb = _bucket(T, chunk)
+    Tb = padded_width(T, chunk)
     pad = ((0, 0), (0, Tb - T), (0, 0))
     return np.pad(x, pad), np.pad(labels, pad), np.arange(Tb) < T
 

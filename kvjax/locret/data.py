@@ -148,7 +148,7 @@ def build_examples(
     return examples, skipped
 
 
-def _bucket(n: int, chunk: int) -> int:
+def padded_width(n: int, chunk: int) -> int:
     """Padded width: a power of two (at least 8) up to `chunk`, then a multiple of `chunk` (few compiles)."""
     if n > chunk:
         return -(-n // chunk) * chunk
@@ -162,8 +162,8 @@ def make_batch(examples: list[Example], chunk_size: int):
     """A `kvjax.locret.labels.Batch` (numpy) of `examples`, left-aligned and padded to bucketed widths."""
     from kvjax.locret.labels import Batch
 
-    Tp = _bucket(max(len(e.prefix) for e in examples), chunk_size)
-    A = _bucket(max(len(e.answer) for e in examples), 1 << 30)
+    Tp = padded_width(max(len(e.prefix) for e in examples), chunk_size)
+    A = padded_width(max(len(e.answer) for e in examples), 1 << 30)
     prefix = np.zeros((len(examples), Tp), np.int32)
     answer = np.zeros((len(examples), A), np.int32)
     for i, e in enumerate(examples):
