@@ -59,6 +59,7 @@ def run(whole: bool) -> dict:
             "command": " ".join(["KVJAX_TEST_HEAVY=1"] * whole + ["python -m pytest"]),
             "returncode": proc.returncode, "wall_s": round(wall, 1), "cpu_load_before": load_before,
             "cpu_load_after": cpu_load(), "machine": machine_info(), **parsed,
+            "failures": [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))],
             "tail": proc.stdout.splitlines()[-3:]}
 
 

@@ -23,9 +23,12 @@ from kvjax.distributed.launch import launch, simulated_cpu_xla_flags  # noqa: E4
 PROCESSES, CPU_DEVICES, TIMEOUT = 2, 2, 600
 # compile time dominates these tiny runs; every side of every comparison uses the same flags
 FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-# every policy with the model axis inside a process; across processes, Ada-SnapKV's budget split over all
-# heads (its decisions read every head's scores over gloo). Each case costs ~25 CPU-seconds (2 processes).
-GENERATE = ["inside=full,quest,snapkv,ada_snapkv,h2o,locret", "spans=ada_snapkv"]
+# with the model axis inside a process: the full cache, a selector and an evictor while decoding (the quick
+# suite), and with KVJAX_TEST_HEAVY=1 (CI) a prefill compressor, Ada-SnapKV and Locret too; across processes,
+# Ada-SnapKV's budget split over all heads (its decisions read every head's scores over gloo). Each case costs
+# ~25 CPU-seconds (2 processes).
+INSIDE = ("full", "quest", "h2o") + (("snapkv", "ada_snapkv", "locret") if os.environ.get("KVJAX_TEST_HEAVY") == "1" else ())
+GENERATE = ["inside=" + ",".join(INSIDE), "spans=ada_snapkv"]
 PROMPT = "the quick brown fox jumps over the lazy dog and then the sky is blue while the grass is green"
 CLI = ["-m", "kvjax.cli", "generate", "--prompt", PROMPT, "--max-new-tokens", "5", "--json", "--policy", "h2o",
        "--policy-option", "token_budget=12"]

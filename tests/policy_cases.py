@@ -80,3 +80,13 @@ def case_param(case_id: str, value=None):
 
     return pytest.param(case_id if value is None else value, id=case_id,
                         marks=() if case_id in QUICK_CASES else pytest.mark.heavy)
+
+
+def quick_params(values, quick, ids=None) -> list:
+    """`values` as pytest parameters (ids from `ids`, a function of the value, else pytest's), each marked `heavy`
+    unless it is in `quick`: the quick suite keeps one representative per path, CI's whole set runs them all."""
+    import pytest
+
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), id=ids(v) if ids else None,
+                         marks=() if v in quick else pytest.mark.heavy) for v in values]
+

@@ -12,7 +12,7 @@ import pytest
 import kvjax
 from _sharding_worker import VOCAB, tiny_model
 from kvjax.serving.batch_engine import BatchEngine, row_pages
-from policy_cases import case_param, matrix_cases
+from policy_cases import case_param, matrix_cases, quick_params
 
 PAGE_SIZE, CAPACITY, CHUNK = 8, 128, 32  # one chunk size for every prompt: one prefill program per policy
 CASE_IDS = ["full", "quest", "snapkv", "ada_snapkv", "pyramid", "h2o", "tova", "streaming", "locret",
@@ -78,7 +78,7 @@ SELECTORS = {  # every page selector, selecting in layer 1 of 2 at 3 pages of 8 
 }
 
 
-@pytest.mark.parametrize("name", list(SELECTORS))
+@pytest.mark.parametrize("name", quick_params(list(SELECTORS), ["key_int4"]))
 def test_engine_equals_generate_with_every_selector(model, name):
     """The selectors beyond Quest (a key sketch fitted to each prompt: the batch gets one at its first row,
     each row's fit beside its pages) and Quest's variants, rows joining and leaving. Then two prompts with a

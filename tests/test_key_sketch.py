@@ -14,6 +14,7 @@ from kvjax import pallas_kernels as pk
 from kvjax.pallas_kernels.sketch_scores import pack_int4, sketch_page_scores, unpack_int4
 from kvjax.pallas_kernels.testing import make_paged_inputs
 from kvjax.policies.base import LayerView
+from policy_cases import quick_params
 
 
 def numpy_page_scores(q, rows, page_table, lengths, page_size):
@@ -236,8 +237,10 @@ def tiny_model():
     return kvjax.load_model("tiny")
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("name", ["oracle_page", "oracle_token", "loki", "key_int4"])
+@pytest.mark.parametrize("name, kv_dtype", quick_params(
+    [(n, d) for d in ("float32", "bfloat16", "int8") for n in ("oracle_page", "oracle_token", "loki", "key_int4")],
+    [("oracle_page", "float32"), ("oracle_token", "float32"), ("loki", "bfloat16"), ("key_int4", "int8")],
+    ids=lambda v: f"{v[0]}-{v[1]}"))
 def test_selector_equals_full_attention_when_budget_covers_context(name, kv_dtype):
     if kv_dtype != "float32" and name.startswith("oracle"):
         pytest.skip("the oracles score the pool's keys in their dtype: evaluation only, float32 runs")
@@ -248,8 +251,9 @@ def test_selector_equals_full_attention_when_budget_covers_context(name, kv_dtyp
     np.testing.assert_array_equal(kvjax.generate(model, prompt, 4, policy=policy, decode_last=6), full)
 
 
-@pytest.mark.parametrize("evict, select", [("snapkv", "loki"), ("h2o", "key_int4"), ("tova", "loki"),
-                                           ("streaming", "key_int4"), ("snapkv", "key_int4"), ("h2o", "loki")])
+@pytest.mark.parametrize("evict, select", quick_params(
+    [("snapkv", "loki"), ("h2o", "key_int4"), ("tova", "loki"), ("streaming", "key_int4"), ("snapkv", "key_int4"),
+     ("h2o", "loki")], [("snapkv", "loki"), ("h2o", "key_int4")], ids=lambda v: f"{v[0]}-{v[1]}"))
 def test_sketch_selector_composes_with_an_evictor(evict, select):
     """Compose(evict=..., select=loki | key_int4): the sketch is fitted on the compressed state (and written
     for every decoded token, into H2O's refilled holes too); when the selection's budget covers every

@@ -9,7 +9,9 @@ import pytest
 import kvjax
 from gguf_reference import fetched_or_skip
 
-pytestmark = pytest.mark.real
+# heavy: transformers takes about a minute to load the GGUF and kvjax half of that for the 262K-entry tokenizer;
+# the quick suite keeps SmolLM2's real-model checks, CI runs these too
+pytestmark = [pytest.mark.real, pytest.mark.heavy]
 NAME = "gemma3-270m"
 PATH = fetched_or_skip(NAME)  # the fetch first: its skip is the one KVJAX_TEST_REQUIRE=real checks
 torch = pytest.importorskip("torch", reason="compares with transformers, which runs on torch (the dev extra)")

@@ -14,7 +14,7 @@ import kvjax
 from kvjax.engine.saved_state import (
     HEADER_FILE, TENSOR_FILE, SavedStateError, generate_from_state, load_state, save_state,
 )
-from policy_cases import matrix_cases
+from policy_cases import QUICK_CASES, matrix_cases, quick_params
 
 PAGE = 8
 DOC = np.random.default_rng(48).integers(3, 120, 90).tolist()
@@ -47,7 +47,9 @@ CASES = [c for c in matrix_cases(kvjax.load_model("tiny").cfg, PAGE) if c.id != 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+# the quick suite: policy_cases.QUICK_CASES and Loki (a key sketch saved and restored); CI all of CASES
+@pytest.mark.parametrize("case", quick_params(CASES, [c for c in CASES if c.id in (*QUICK_CASES, "loki")],
+                                              ids=lambda c: c.id))
 def test_loaded_state_continues_token_for_token(tiny, case, tmp_path):
     state = _prefill_and_save(tiny, case.policy, tmp_path)
     saved = load_state(tmp_path, tiny, policy=case.policy)
@@ -57,7 +59,8 @@ def test_loaded_state_continues_token_for_token(tiny, case, tmp_path):
     np.testing.assert_array_equal(generate_from_state(tiny, saved, QUESTION, NEW), _in_memory(tiny, case.policy))
 
 
-@pytest.mark.parametrize("kv_dtype,name", [("int8", "snapkv"), ("int8", "quest"), ("bfloat16", "h2o")])
+@pytest.mark.parametrize("kv_dtype,name", quick_params([("int8", "snapkv"), ("int8", "quest"), ("bfloat16", "h2o")],
+                                                       [("int8", "snapkv"), ("bfloat16", "h2o")]))
 def test_round_trip_keeps_int8_and_bfloat16_pages(tiny, kv_dtype, name, tmp_path):
     model = tiny.with_kv_dtype(kv_dtype)
     policy = kvjax.make_policy(name, token_budget=32, **OPTIONS.get(name, {}))

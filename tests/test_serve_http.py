@@ -16,6 +16,7 @@ import kvjax
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 from kvjax.serving.http import ServerConfig, serve_in_background  # noqa: E402
+from policy_cases import quick_params  # noqa: E402
 
 NAME = "tiny"
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -118,8 +119,9 @@ def test_bad_requests_get_json_errors_naming_the_field(client, kwargs, param, st
     assert error.get("param") == param, info.value.body
 
 
-@pytest.mark.parametrize("spec", ["key_int4:token_budget=64", "loki:token_budget=64", "quest:token_budget=64",
-                                  "quest_adaptive:token_budget=64", "quest_static:token_budget=64"])
+@pytest.mark.parametrize("spec", quick_params(["key_int4:token_budget=64", "loki:token_budget=64", "quest:token_budget=64",
+                                               "quest_adaptive:token_budget=64", "quest_static:token_budget=64"],
+                                              ["key_int4:token_budget=64", "quest:token_budget=64"]))
 def test_every_selector_answers_as_generate(model, client, spec):
     """A selector given by name in a request (here selecting in layers 2 and 3 of the tiny model's 4, over a
     prompt of 4 pages a head) answers what `generate` gives; the key sketch selectors answered 500 ("needs the

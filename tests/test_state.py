@@ -1,5 +1,7 @@
 """Paged state invariants, capacity errors and bad input."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,7 +58,8 @@ def check_invariants(state):
             assert np.all(slot_pos[page][valid] >= 0) and np.all(slot_pos[page][np.arange(ps) >= n - p * ps] == -1)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# each example of a new batch size, page size or page dtype compiles anew: 6 in the quick suite, 20 in CI's set
+@settings(max_examples=20 if os.environ.get("KVJAX_TEST_HEAVY") == "1" else 6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lengths=st.lists(st.integers(1, 45), min_size=1, max_size=3),
     chunk=st.just(16),
