@@ -7,15 +7,10 @@ device: the pages each head reads and the greedy answer, against the one-device 
 from __future__ import annotations
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kvjax.distributed.launch import simulated_cpu_xla_flags  # noqa: E402  (jax makes no backend yet)
+import _simulated_devices
 
-os.environ["XLA_FLAGS"] = simulated_cpu_xla_flags(4, " ".join(
-    [os.environ.get("XLA_FLAGS", ""),  # compile time dominates these tiny runs; every side uses the same flags
-     "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]))
-os.environ["JAX_PLATFORMS"] = "cpu"
+_simulated_devices.use(4)  # before anything makes jax's backend
 
 import contextlib  # noqa: E402
 import io  # noqa: E402

@@ -9,11 +9,9 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kvjax.distributed.launch import simulated_cpu_xla_flags  # noqa: E402  (jax makes no backend yet)
+import _simulated_devices
 
-os.environ["XLA_FLAGS"] = simulated_cpu_xla_flags(2, os.environ.get("XLA_FLAGS", ""))
-os.environ["JAX_PLATFORMS"] = "cpu"
+_simulated_devices.use(2)  # before anything makes jax's backend
 
 import json  # noqa: E402
 import urllib.request  # noqa: E402

@@ -7,17 +7,9 @@ Nothing is asserted here; the test asserts on the JSON.
 
 from __future__ import annotations
 
-import os
-import sys
+import _simulated_devices
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kvjax.distributed.launch import simulated_cpu_xla_flags  # noqa: E402  (jax makes no backend yet)
-
-os.environ["XLA_FLAGS"] = simulated_cpu_xla_flags(8, " ".join(
-    [os.environ.get("XLA_FLAGS", ""),
-     # compile time dominates these tiny runs; both sides of every comparison use the same flags
-     "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_simulated_devices.use(8)  # before anything makes jax's backend
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
