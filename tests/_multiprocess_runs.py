@@ -22,7 +22,7 @@ from kvjax.distributed.launch import launch, simulated_cpu_xla_flags  # noqa: E4
 
 PROCESSES, CPU_DEVICES, TIMEOUT = 2, 2, 600
 # compile time dominates these tiny runs; every side of every comparison uses the same flags
-FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+from _simulated_devices import FAST_COMPILE as FLAGS  # noqa: E402
 # with the model axis inside a process: the full cache, a selector and an evictor while decoding (the quick
 # suite), and with KVJAX_TEST_HEAVY=1 (CI) a prefill compressor, Ada-SnapKV and Locret too; across processes,
 # Ada-SnapKV's budget split over all heads (its decisions read every head's scores over gloo). Each case costs

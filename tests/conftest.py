@@ -15,8 +15,9 @@ os.environ["KVJAX_COMPILATION_CACHE"] = "off"
 # programs' numbers, and every comparison runs both of its sides under the same flags. Benchmarks, the demo
 # and users' runs keep XLA's defaults. KVJAX_TEST_XLA_DEFAULTS=1 runs the suite with them.
 if not os.environ.get("KVJAX_TEST_XLA_DEFAULTS"):
-    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-                                        "--xla_llvm_disable_expensive_passes=true"]).strip()
+    from _simulated_devices import FAST_COMPILE
+
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 import numpy as np
 import pytest
