@@ -63,7 +63,7 @@ NOT_SPEED = {  # their JSON records seconds the table does not show, or shows a 
     "eval.bench_serving:markdown_table", "eval._tables:jenga_waste",  # a replayed trace: steps, not seconds
     "eval._tables:locret_quality", "eval.sweep:accuracy_table", "eval._tables:locret_kvzip_training",
     "eval._tables:locret_memory", "eval.perplexity:perplexity_table", "eval.quest_adaptive:table",
-    "eval.sweep:accuracy_table_with_load", "eval.selection_aim",
+    "eval.sweep:accuracy_table_with_load", "eval.selection_aim", "eval.bench_tests:ci_runs",
 }
 
 

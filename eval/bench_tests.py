@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 from ._report import cpu_load, default_out, machine_info, markdown_table, write_outputs
@@ -43,6 +44,18 @@ def parse(output: str) -> dict:
             "slowest": tests[:15]}
 
 
+def cpu_by_file(cpu_log: str) -> dict:
+    """Per-file CPU seconds (the test processes' own and their reaped worker processes') from the log
+    tests/conftest.py writes, and their sum: what the 2 cores spent, where wall seconds overlap."""
+    by_file: dict[str, float] = collections.defaultdict(float)
+    with open(cpu_log) as log:
+        for line in log:
+            cpu, _, test = line.rstrip("\n").split("\t")
+            by_file[test.split("::")[0]] += float(cpu)
+    return {"cpu_s": round(sum(by_file.values()), 1),
+            "files_cpu_s": {f: round(s, 1) for f, s in sorted(by_file.items(), key=lambda kv: -kv[1])}}
+
+
 def run(whole: bool) -> dict:
     """Run the suite in a fresh process from the repository root; its wall time, counts and durations."""
     env = dict(os.environ)
@@ -50,11 +63,15 @@ def run(whole: bool) -> dict:
     if whole:
         env["KVJAX_TEST_HEAVY"] = "1"
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--durations=0", "--durations-min=0.5"]
+    cpu_log = tempfile.NamedTemporaryFile(prefix="kvjax-test-cpu-", suffix=".tsv", delete=False).name
+    env["KVJAX_TEST_CPU_LOG"] = cpu_log  # tests/conftest.py appends each test's CPU seconds
     load_before = cpu_load()
     started = time.perf_counter()
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
     parsed = parse(proc.stdout)
+    parsed.update(cpu_by_file(cpu_log))
+    os.unlink(cpu_log)
     return {"set": "whole (KVJAX_TEST_HEAVY=1)" if whole else "quick (python -m pytest)",
             "command": " ".join(["KVJAX_TEST_HEAVY=1"] * whole + ["python -m pytest"]),
             "returncode": proc.returncode, "wall_s": round(wall, 1), "cpu_load_before": load_before,
@@ -69,11 +86,28 @@ def render(payload: dict) -> str:
              f"exit status {payload['returncode']}. {payload['machine'].get('cpu_model', '')}, "
              f"{payload['machine']['cpu_count']} cores; load average (1, 5, 15 min) before / after: "
              f"{payload['cpu_load_before']} / {payload['cpu_load_after']}.", ""]
+    if "files_cpu_s" in payload:  # runs since the CPU log: the files that cost the cores most
+        cpu = payload["files_cpu_s"]
+        lines[0] += f" CPU time of the test processes and their workers: {payload['cpu_s'] / 60:.1f} minutes."
+        lines.append(markdown_table(
+            ["the ten costliest files", "CPU seconds (the test process and the workers it waited for)", "share",
+             "wall seconds (setup + call + teardown)"],
+            [(f"`{f}`", round(s), f"{s / payload['cpu_s']:.0%}", round(payload["files_s"].get(f, 0)))
+             for f, s in list(cpu.items())[:10]]))
+        return "\n".join(lines)
     files = list(payload["files_s"].items())[:10]
     total = sum(payload["files_s"].values())
     lines.append(markdown_table(["the ten slowest files", "seconds (setup + call + teardown, summed over the "
                                  "workers)", "share"], [(f"`{f}`", round(s), f"{s / total:.0%}") for f, s in files]))
     return "\n".join(lines)
+
+
+def ci_runs(payload: dict) -> str:
+    """The line docs/testing.md shows for CI's recorded runs (eval/results/tests/ci_runs.json)."""
+    runs = "; ".join(f"stop {run['stop']}: {run['result']} in {run['wall_s'] / 60:.1f} minutes ({run['wall_s']} s)"
+                     for run in payload["runs"])
+    return (f"CI's whole run (set-up and the whole set) as CI recorded it: {runs}; its budget "
+            f"{payload['budget_s'] / 60:.0f} minutes. Source: {payload['source']}.")
 
 
 def main(argv=None) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 DEMO_POLICIES = ("full", "quest", "quest_static", "snapkv", "ada_snapkv", "h2o", "streaming", "kvzip")
@@ -34,8 +35,10 @@ def run_demo(model_name: str = "tiny", length: int = 2048, budget: int | None = 
     from kvjax.util.compilation_cache import enable_compilation_cache
 
     from . import sweep
+    from ._report import cpu_load
 
     enable_compilation_cache()
+    load_before = cpu_load()
     started = time.perf_counter()
     model = kvjax.load_model(model_name)
     tasks, default_policies, default_budget, default_samples, dense_layers = SETTINGS[
@@ -45,6 +48,8 @@ def run_demo(model_name: str = "tiny", length: int = 2048, budget: int | None = 
                              progress=not as_json, clear_compiled=False)
     result["seconds"] = round(time.perf_counter() - started, 1)
     result["model"] = model_name
+    result["cpu_load_before"], result["cpu_load_after"] = load_before, cpu_load()
+    result["command"] = " ".join(["kvjax", *sys.argv[1:]]) if sys.argv[0].endswith("kvjax") else None
     return result
 
 

@@ -309,3 +309,24 @@ def pytest_sessionfinish(session, exitstatus):
     if _required_skipped and not os.environ.get("PYTEST_XDIST_WORKER"):
         print("\nKVJAX_TEST_REQUIRE: these checks skipped but are required here:\n  " + "\n  ".join(_required_skipped))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# ------------------------------------------------------------------ CPU seconds per test (eval.bench_tests)
+
+if os.environ.get("KVJAX_TEST_CPU_LOG"):
+    import resource
+    import time
+
+    def _cpu_seconds() -> float:
+        """This process's CPU seconds and its reaped children's (the worker runs a test waits for)."""
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        """Append `cpu_s <tab> wall_s <tab> test id` for each test (setup, call, teardown) to
+        $KVJAX_TEST_CPU_LOG (every xdist worker appends to the same file)."""
+        cpu, wall = _cpu_seconds(), time.perf_counter()
+        yield
+        with open(os.environ["KVJAX_TEST_CPU_LOG"], "a") as log:
+            log.write(f"{_cpu_seconds() - cpu:.2f}\t{time.perf_counter() - wall:.2f}\t{item.nodeid}\n")
