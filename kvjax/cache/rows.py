@@ -1,4 +1,4 @@
-"""Rows of a batch state: insert a separately prefilled sequence into a free row, release a finished one.
+"""Rows of a batch state: place a prefilled sequence at host-chosen pages (`place_row`), clear a finished one.
 
 Notes: docs/modules.md (`kvjax/cache/rows.py`)."""
 

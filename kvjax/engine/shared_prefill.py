@@ -1,5 +1,5 @@
-"""One full prefill, many policies: derive every policy that compresses after prefill (or only selects
-pages) from one uncompressed state, instead of prefilling the same prompts once per policy and budget.
+"""One full prefill, many policies: derive each policy that compresses once after prefill (or only selects
+pages) from one uncompressed state, instead of prefilling once per policy and budget (not KVzip: its pass).
 
 Notes: docs/modules.md (`kvjax/engine/shared_prefill.py`)."""
 

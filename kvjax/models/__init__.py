@@ -1,4 +1,4 @@
-"""Functional Flax decoder models (Llama, Mistral, Qwen2, Phi-3) with an explicit KV state.
+"""Functional Flax decoder models (Llama, Mistral, Qwen2, Phi-3, Gemma-3) with an explicit KV state.
 
 Notes: docs/modules.md (`kvjax/models/__init__.py`)."""
 

@@ -1,4 +1,4 @@
-"""A Flax Linen decoder (Llama / Mistral / Qwen2 / Phi-3) whose attention is supplied by the caller.
+"""A Flax Linen decoder (Llama / Mistral / Qwen2 / Phi-3 / Gemma-3) whose attention is supplied by the caller.
 
 Notes: docs/modules.md (`kvjax/models/transformer.py`)."""
 
