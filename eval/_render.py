@@ -50,6 +50,7 @@ def rendered(module: str, json_path: str, root: str = ROOT) -> str:
 # adds a line that says so; tests/test_rendered.py fails on a program whose JSON holds timings and that is in
 # neither set. Accuracy tables that only record their own run's seconds are in NOT_SPEED.
 QUIET_LOAD = 1.5
+QUIET_OTHERS = 0.1  # cores other processes may take on average during a quiet run (`others_cpu`)
 SPEED = {
     "eval._tables:demo", "eval.bench_decode", "eval.bench_real", "eval._tables:suite_times", "eval._tables:cacheclip",
     "eval._tables:cacheclip_by_ratio", "eval._tables:cacheclip_at_20", "eval._tables:compile_times",
@@ -74,14 +75,32 @@ def start_load(payload) -> float | None:
     for run in payload if isinstance(payload, list) else [payload]:
         found = [run[key][0] for key in ("cpu_load_before", "load_before", "load_start")
                  if isinstance(run.get(key), list) and run[key]]
+        if isinstance(run.get("load"), dict) and run["load"].get("before"):  # bench_decode's {"before", "after"}
+            found.insert(0, run["load"]["before"][0])
         if not found:
             return None
         loads.append(found[0])
     return max(loads)
 
 
+def others_cores(payload) -> float | None:
+    """The most cores other processes took on average during the run (`others_cpu`, eval/_report.py), over
+    several runs the highest; None when any run did not record it."""
+    cores = [run.get("others_cpu", {}).get("cores") if isinstance(run.get("others_cpu"), dict) else None
+             for run in (payload if isinstance(payload, list) else [payload])]
+    return None if None in cores else max(cores)
+
+
 def load_note(payload) -> str:
-    """The line under a speed table that was not measured quiet ('' for a quiet one)."""
+    """The line under a speed table that was not measured quiet ('' for a quiet one). Where the run recorded
+    the CPU time other processes took while it ran, that decides (at most QUIET_OTHERS cores on average):
+    it sees the whole run, where the 1-minute load at the start still carries a finished program's tail."""
+    others = others_cores(payload)
+    if others is not None:
+        if others <= QUIET_OTHERS:
+            return ""
+        return (f"*Measured with other work on the cores ({others:g} cores on average besides this run, above "
+                f"{QUIET_OTHERS:g}): its speed figures are not a quiet measurement.*\n")
     load = start_load(payload)
     if load is None:
         return "*This run recorded no load: its speed figures may come from a shared machine.*\n"

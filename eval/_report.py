@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from typing import Any, Sequence
 
 
@@ -55,6 +56,8 @@ def write_outputs(out_dir: str, name: str, payload: dict, table_md: str) -> dict
         payload["cpu_load_before"] = LOAD_AT_START
     if "cpu_load_after" not in payload and "load_after" not in payload and "load_end" not in payload:
         payload["cpu_load_after"] = cpu_load()
+    if "others_cpu" not in payload:
+        payload["others_cpu"] = others_cpu()
     if "Load" not in table_md:
         before = payload.get("cpu_load_before", payload.get("load_before", payload.get("load_start")))
         after = payload.get("cpu_load_after", payload.get("load_after", payload.get("load_end")))
@@ -111,6 +114,34 @@ def cpu_load() -> list[float] | None:
 
 
 LOAD_AT_START = cpu_load()  # when a program first imports this module: its load "before"
+
+
+def cpu_seconds() -> tuple[float, float, float] | None:
+    """(monotonic wall seconds, the machine's busy CPU seconds summed over its cores since boot (/proc/stat),
+    this process's CPU seconds with its reaped children's), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except OSError:
+        return None
+    own = os.times()
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    return time.monotonic(), busy, own.user + own.system + own.children_user + own.children_system
+
+
+CPU_AT_START = cpu_seconds()  # when a program first imports this module
+
+
+def others_cpu(start: tuple[float, float, float] | None = CPU_AT_START) -> dict[str, float] | None:
+    """What other processes took of the cores since `start` (the program's start): the average number of
+    cores busy with work that is not this program's nor its reaped children's, over `wall_s`. A quiet run
+    has about 0 (a child still running when this is read counts as other work)."""
+    now = cpu_seconds()
+    if start is None or now is None or now[0] <= start[0]:
+        return None
+    wall = now[0] - start[0]
+    others = (now[1] - start[1]) - (now[2] - start[2])
+    return {"cores": round(max(others, 0.0) / wall, 3), "wall_s": round(wall, 1)}
 
 
 def usable_cpus() -> int:

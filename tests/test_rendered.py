@@ -76,6 +76,7 @@ def test_every_written_result_records_the_load(tmp_path):
     paths = write_outputs(str(tmp_path), "x", payload, "| a |\n|---|\n")
     recorded = json.load(open(paths["json"]))
     assert "cpu_load_before" in recorded and "cpu_load_after" in recorded
+    assert recorded["others_cpu"]["cores"] >= 0 and recorded["others_cpu"]["wall_s"] >= 0  # other processes' CPU
     assert "Load average before/after" in open(paths["md"]).read()
 
 
@@ -92,15 +93,19 @@ def test_every_table_with_timings_is_sorted_as_speed_or_not():
     assert not unsorted, f"add these render programs to _render.SPEED or _render.NOT_SPEED: {unsorted}"
 
 
-@pytest.mark.parametrize("load, note", [([0.3, 1, 1], ""), ([12.9, 8, 6], "shared"), (None, "no load")])
-def test_a_speed_table_not_measured_quiet_says_so(tmp_path, load, note):
+@pytest.mark.parametrize("payload, note", [
+    ({"cpu_load_before": [0.3, 1, 1]}, ""), ({"cpu_load_before": [12.9, 8, 6]}, "shared"), ({}, "no load"),
+    # the CPU other processes took during the run decides where it was recorded, whatever the load at the start
+    ({"cpu_load_before": [1.8, 2, 2], "others_cpu": {"cores": 0.02, "wall_s": 60}}, ""),
+    ({"cpu_load_before": [0.3, 1, 1], "others_cpu": {"cores": 1.3, "wall_s": 60}}, "other work")])
+def test_a_speed_table_not_measured_quiet_says_so(tmp_path, payload, note):
     import sys
     import types
 
     module = types.ModuleType("fake_speed_program")
     module.render = lambda payload: "| tok/s |\n|---|\n| 9 |"
     sys.modules["fake_speed_program"] = module
-    (tmp_path / "x.json").write_text(json.dumps({"cpu_load_before": load} if load else {}))
+    (tmp_path / "x.json").write_text(json.dumps(payload))
     _render.SPEED.add("fake_speed_program")
     try:
         text = _render.rendered("fake_speed_program", "x.json", str(tmp_path))
