@@ -78,7 +78,7 @@ def selection_speed(payload: dict) -> str:
     m = payload["machine"]
     return (markdown_table(headers, rows) +
             f"\nFloat32 pages, budget {payload['budget']}, every layer selecting. {m.get('cpu_model', '')}, "
-            f"{m['cpu_count']} cores, shared with other work; decode: median of {payload['timed_steps']} steps, "
+            f"{m['cpu_count']} cores; decode: median of {payload['timed_steps']} steps, "
             "timed round-robin over the policies; page scores: the last layer of the prefilled state, a random query, "
             f"median of {payload['timed_steps']}, round-robin. {load_line(payload)}\n")
 

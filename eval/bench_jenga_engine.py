@@ -9,7 +9,7 @@ pool of `--uniform-rows` rows' worth of uniform pages (every layer holding the w
 before Jenga: `BatchEngine(uniform_pages=True)`), once with Jenga's groups and once with uniform pages, on
 unique prompts and on prompts sharing three quarters of their tokens. It records the most and the mean rows
 live at a dispatch, the pool's pages held per live row, generated tokens per second (wall, compiles
-excluded: each run is served twice and the second kept; on a shared machine a rough figure) and the rows that found their prefix in the pool. Greedy
+excluded: each run is served twice and the second kept) and the rows that found their prefix in the pool. Greedy
 tokens must be equal under both pools. Writes bench_jenga_engine.{json,md,png} under --out.
 """
 
@@ -100,9 +100,9 @@ def render(payload: dict) -> str:
     args = payload["args"]
     return table + (
         f"\n{args['requests']} requests at once, {args['new_tokens']} new tokens each, a pool with room for "
-        f"{args['uniform_rows']} uniform rows. Tokens/s: wall time of a second run (compiled) on a shared machine "
-        f"(other sessions running; load average {payload['load_start']} at the start, {payload['load_end']} at the "
-        "end), so a rough figure only.\n")
+        f"{args['uniform_rows']} uniform rows. Tokens/s: wall time of a second run (compiled) "
+        f"(load average {payload['load_start']} at the start, {payload['load_end']} at the "
+        "end).\n")
 
 
 def main(argv=None) -> dict:

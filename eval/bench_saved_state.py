@@ -91,7 +91,7 @@ def render(payload: dict) -> str:
               "`load_state` + `generate_from_state`; prefill: `generate(decode_last=...)`; cold = first call of a fresh "
               "process (compiles, no compilation cache), warm = second call; model loading "
               f"({payload['model_load_s']:.1f} s) excluded. {payload['machine'].get('cpu_model', '')}, "
-              f"{payload['machine']['cpu_count']} cores, SHARED with other jobs: the times are noisy. "
+              f"{payload['machine']['cpu_count']} cores. "
               f"{load_line(payload)}\n")
 
 
@@ -170,7 +170,7 @@ def main(argv=None) -> dict:
                "max_new_tokens": new, "expected_answer": sample.answer,
                "full_float32_bytes": 2 * cfg.num_layers * cfg.num_kv_heads * len(sample.context_ids) * cfg.head_dim * 4,
                "model_load_s": min(r["saved"]["model_load_s"] for r in runs.values()), "runs": runs,
-               "shared_machine": True, "cpu_load_before": LOAD_AT_START, "cpu_load_after": cpu_load()}
+               "cpu_load_before": LOAD_AT_START, "cpu_load_after": cpu_load()}
     table = render(payload)
     paths = write_outputs(args.out, "bench_saved_state", payload, table)
     plot(payload, paths["json"].replace(".json", ".png"))
