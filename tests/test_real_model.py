@@ -133,3 +133,17 @@ def test_shipped_locret_heads_evict_during_chunked_prefill(model):
     # EOS first at this budget of 192 and the per-head default spread; docs/locret.md)
     out = kvjax.generate(model, [ids], 8, policy, chunk_size=256, eos_token_id=-1)[0]
     assert [int(t) for t in out] == ours
+
+
+def test_shipped_locret_heads_keep_the_passkey(model):
+    """The shipped heads in their recipe (trained on KVzip's score; the budget pooled over layers and heads,
+    `pool="all"`) keep a real-text passkey through chunked prefill at a quarter of the context, the question fed
+    by decode after compression as the evaluation does; docs/locret.md has the sweep."""
+    from kvjax.tasks.needles import passkey_samples, score_prediction
+
+    policy = kvjax.make_policy("locret", heads=NAME, pool="all", token_budget=256)
+    for sample in passkey_samples(model.tokenizer, 1024, 2, 0):
+        out = kvjax.generate(model, [sample.prompt_ids], sample.max_new_tokens, policy, chunk_size=256,
+                             decode_last=len(sample.question_ids))[0]
+        text = model.tokenizer.decode(out, skip_special_tokens=True)
+        assert score_prediction(sample, text) == 1.0, (sample.answer, text)
