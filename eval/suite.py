@@ -245,7 +245,7 @@ def _prefill_argv(s: Settings, out: str) -> list[str]:
 def _real_argv(s: Settings, out: str) -> list[str]:
     # not bench_decode --model's --quick: that one forces float32
     quick = ["--contexts", "256", "512", "--steps", "3"]
-    return ["--model", "smollm2-135m", *(quick if s.quick else []), "--dtypes", s.dtype, "--threads", str(s.threads),
+    return ["--model", REAL_MODEL, *(quick if s.quick else []), "--dtypes", s.dtype, "--threads", str(s.threads),
             "--read-gib", f"{s.read_gib:g}", "--out", out]
 
 
