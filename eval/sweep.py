@@ -3,8 +3,9 @@
 Every cell is one policy at one token budget (`full` once per length) on `eval.lib.retrieval`'s protocol
 (question fed by decode, after compression), run by `eval.lib.sweep.run_sweep`: each batch of samples is
 prefilled once and every cell that compresses after prefill is derived from that state; the run resumes by
-batch. Decode latency per policy is timed on the task's prompts (`eval.lib.sweep.time_decodes`). Plots are drawn from the JSON: accuracy against budget (one panel per task and length)
-and decode latency against context length.
+batch. Decode latency per policy is timed on the task's prompts (`eval.lib.sweep.time_decodes`). Plots are
+drawn from the JSON: accuracy against budget (one panel per task and length) and decode latency against
+context length.
 
     python -m eval.sweep --model tiny --lengths 1024 2048 --budgets 64 128 256 --samples 50
     kvjax eval sweep --json
