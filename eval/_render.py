@@ -52,12 +52,13 @@ def rendered(module: str, json_path: str, root: str = ROOT) -> str:
 QUIET_LOAD = 1.5
 QUIET_OTHERS = 0.1  # cores other processes may take on average during a quiet run (`others_cpu`)
 SPEED = {
-    "eval.demo", "eval.bench_decode", "eval.bench_decode:render_model", "eval.lib.tables:suite_times", "eval.lib.tables:cacheclip",
-    "eval.lib.tables:cacheclip_by_ratio", "eval.lib.tables:cacheclip_at_20", "eval.lib.tables:compile_times",
-    "eval.bench_jenga_engine", "eval.lib.tables:retired_engine", "eval.lib.tables:attention", "eval.lib.tables:attention_stages",
-    "eval.bench_locret_labels", "eval.lib.tables:policies", "eval.lib.tables:policies_by_page_dtype",
-    "eval.lib.tables:selection_speed", "eval.lib.tables:serving_load", "eval.bench_load:interleave_table",
-    "eval.lib.tables:dispatch", "eval.bench_saved_state", "eval.bench_tests",
+    "eval.demo", "eval.bench_decode", "eval.bench_decode:render_model", "eval.lib.tables:suite_times",
+    "eval.lib.tables:cacheclip", "eval.lib.tables:cacheclip_by_ratio", "eval.lib.tables:cacheclip_at_20",
+    "eval.lib.tables:compile_times", "eval.bench_jenga_engine", "eval.lib.tables:retired_engine",
+    "eval.lib.tables:attention", "eval.lib.tables:attention_stages", "eval.bench_locret_labels",
+    "eval.lib.tables:policies", "eval.lib.tables:policies_by_page_dtype", "eval.lib.tables:selection_speed",
+    "eval.lib.tables:serving_load", "eval.bench_load:interleave_table", "eval.lib.tables:dispatch",
+    "eval.bench_saved_state", "eval.bench_tests",
 }
 NOT_SPEED = {  # their JSON records seconds the table does not show, or shows a wall time that is no speed claim
     "eval.sweep:headline_table", "eval.sweep:selection_headline", "eval.lib.tables:aux_recall",
