@@ -6,7 +6,7 @@ A rendered block in a Markdown file is
     ...the text `render(payload)` of that program gives for that JSON...
     <!-- end render -->
 
-(`eval._tables:dispatch` names a function other than `render`; `a.json,b.json` hands it a list.)
+(`eval.lib.tables:dispatch` names a function other than `render`; `a.json,b.json` hands it a list.)
 `python -m eval._render` rewrites every block from its JSON; `tests/test_rendered.py` fails when a block
 differs from what its JSON renders to.
 """
@@ -29,7 +29,7 @@ def markdown_files(root: str = ROOT) -> list[str]:
 
 
 def rendered(module: str, json_path: str, root: str = ROOT) -> str:
-    """The text program `module` (e.g. `eval.bench_decode`, or `eval._tables:dispatch` for a function other
+    """The text program `module` (e.g. `eval.bench_decode`, or `eval.lib.tables:dispatch` for a function other
     than `render`) renders for the committed JSON `json_path` (several, comma-separated: a list of them)."""
     module, _, function = module.partition(":")
     program = importlib.import_module("kvjax." + module if module.startswith("eval.") else module)
@@ -52,19 +52,20 @@ def rendered(module: str, json_path: str, root: str = ROOT) -> str:
 QUIET_LOAD = 1.5
 QUIET_OTHERS = 0.1  # cores other processes may take on average during a quiet run (`others_cpu`)
 SPEED = {
-    "eval._tables:demo", "eval.bench_decode", "eval.bench_real", "eval._tables:suite_times", "eval._tables:cacheclip",
-    "eval._tables:cacheclip_by_ratio", "eval._tables:cacheclip_at_20", "eval._tables:compile_times",
-    "eval.bench_jenga_engine", "eval._tables:retired_engine", "eval._tables:attention", "eval._tables:attention_stages",
-    "eval.bench_locret_labels", "eval._tables:policies", "eval._tables:policies_by_page_dtype",
-    "eval._tables:selection_speed", "eval._tables:serving_load", "eval.bench_load:interleave_table",
-    "eval._tables:dispatch", "eval.bench_saved_state", "eval.bench_tests",
+    "eval.demo", "eval.bench_decode", "eval.bench_decode:render_model", "eval.lib.tables:suite_times",
+    "eval.lib.tables:cacheclip", "eval.lib.tables:cacheclip_by_ratio", "eval.lib.tables:cacheclip_at_20",
+    "eval.lib.tables:compile_times", "eval.bench_jenga_engine", "eval.lib.tables:retired_engine",
+    "eval.lib.tables:attention", "eval.lib.tables:attention_stages", "eval.bench_locret_labels",
+    "eval.lib.tables:policies", "eval.lib.tables:policies_by_page_dtype", "eval.lib.tables:selection_speed",
+    "eval.lib.tables:serving_load", "eval.bench_load:interleave_table", "eval.lib.tables:dispatch",
+    "eval.bench_saved_state", "eval.bench_tests",
 }
 NOT_SPEED = {  # their JSON records seconds the table does not show, or shows a wall time that is no speed claim
-    "eval.sweep:headline_table", "eval.sweep:selection_headline", "eval._tables:aux_recall",
-    "eval.bench_serving:markdown_table", "eval._tables:jenga_waste",  # a replayed trace: steps, not seconds
-    "eval._tables:locret_quality", "eval.sweep:accuracy_table", "eval._tables:locret_kvzip_training",
-    "eval._tables:locret_memory", "eval.perplexity:perplexity_table", "eval.quest_adaptive:table",
-    "eval.sweep:accuracy_table_with_load", "eval.selection_aim", "eval.bench_tests:ci_runs",
+    "eval.sweep:headline_table", "eval.sweep:selection_headline", "eval.lib.tables:aux_recall",
+    "eval.bench_serving:markdown_table", "eval.lib.tables:jenga_waste",  # a replayed trace: steps, not seconds
+    "eval.lib.tables:locret_quality", "eval.sweep:accuracy_table", "eval.lib.tables:locret_kvzip_training",
+    "eval.lib.tables:locret_memory", "eval.perplexity:perplexity_table", "eval.quest_adaptive:table",
+    "eval.sweep:accuracy_table_with_load", "eval.lib.selection_aim", "eval.bench_tests:ci_runs",
 }
 
 

@@ -34,7 +34,8 @@ import numpy as np
 
 from kvjax import pallas_kernels as pk
 
-from ._report import cpu_load, default_out
+from .lib.report import cpu_load, default_out
+from .lib.setups import chunked_page_tables
 
 LLC_BYTES = 480 * 2**20  # last-level cache of the machines this project targets
 
@@ -67,17 +68,6 @@ class LayerPool:
     @property
     def num_layers(self) -> int:
         return len(self.page_tables)
-
-
-def chunked_page_tables(num_layers, num_kv_heads, max_pages, pages_per_chunk):
-    """Page tables as kvjax's allocator builds them on a prefill in chunks: each chunk hands every
-    (layer, kv head) in turn `pages_per_chunk` consecutive pages. int32[L, 1, KVH, P]."""
-    layer = np.arange(num_layers)[:, None, None]
-    head = np.arange(num_kv_heads)[None, :, None]
-    page = np.arange(max_pages)[None, None, :]
-    chunk = page // pages_per_chunk
-    physical = ((chunk * num_layers + layer) * num_kv_heads + head) * pages_per_chunk + page % pages_per_chunk
-    return physical.astype(np.int32)[:, None]
 
 
 def build_pool(shape: ModelShape, context: int, num_layers: int, page_size: int, layout: str, seed: int):

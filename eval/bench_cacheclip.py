@@ -31,7 +31,7 @@ import time
 import jax
 import numpy as np
 
-from ._report import default_out, machine_info, markdown_table, write_outputs
+from .lib.report import default_out, machine_info, markdown_table, write_outputs
 from kvjax.tasks import synthetic
 from kvjax.tasks.rag_records import rag_prompt
 

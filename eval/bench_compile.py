@@ -21,8 +21,8 @@ import argparse
 import jax
 import numpy as np
 
-from ._report import cpu_load, default_out, machine_info, markdown_table, write_outputs
-from ._timing import timed
+from .lib.report import cpu_load, default_out, machine_info, markdown_table, write_outputs
+from .lib.timing import timed
 
 STAGES = ("trace", "lower", "compile")
 _EVENTS = {

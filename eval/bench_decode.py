@@ -10,21 +10,32 @@ the FLOPs a step does as a share of a large float32 matmul, all measured in the 
 
     kvjax bench decode --out eval/results/decode      # every width, batch 1 at 1K/4K/8K, batch 8 at 1K/2K
     kvjax bench decode --quick                        # a small smoke run
+
+With `--model NAME` (a fetched name or a .gguf file; `kvjax bench real` runs it for SmolLM2-135M), one real
+model instead, batch 1, at each of `--dtypes`: both sides load the GGUF (kvjax through its own reader,
+transformers through `from_pretrained(dir, gguf_file=...)`) and dequantise to the same floats; it writes
+bench_real.json (its own table, `render_model`):
+
+    kvjax bench decode --model smollm2-135m --out eval/results/real_speed   # 2K/4K/8K, float32 and bfloat16
+    kvjax bench decode --model smollm2-135m --quick                         # 256/512 tokens, float32
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import dataclasses
+import os
 import statistics
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._report import cpu_load, default_out, machine_info, markdown_table, write_outputs
-from ._timing import DecodeRun, large_read, matmul_gflops
+from .lib.report import cpu_load, default_out, load_line, machine_info, markdown_table, write_outputs
+from .lib.timing import DecodeRun, large_read, matmul_gflops
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # --model: the KV bytes a token takes per value
 
 
 
@@ -198,31 +209,145 @@ def render(payload: dict) -> str:
     return markdown_table(headers, rows) + note
 
 
+def plot_model(payload: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for dtype, marker in (("float32", "o"), ("bfloat16", "s")):
+        rows = [r for r in payload["results"] if r["dtype"] == dtype]
+        if not rows:
+            continue
+        ctx = [r["context"] for r in rows]
+        axes[0].plot(ctx, [r["kvjax"]["prefill_s"] for r in rows], marker + "-", label=f"kvjax {dtype}")
+        axes[0].plot(ctx, [r["transformers"]["prefill_s"] for r in rows], marker + "--", label=f"transformers {dtype}")
+        axes[1].plot(ctx, [r["kvjax"]["decode_tokens_per_s"] for r in rows], marker + "-", label=f"kvjax {dtype}")
+        axes[1].plot(ctx, [r["transformers"]["decode_tokens_per_s"] for r in rows], marker + "--",
+                     label=f"transformers {dtype}")
+        axes[2].plot(ctx, [r["kvjax"]["share_of_large_read"] for r in rows], marker + "-", label=f"kvjax {dtype}")
+        axes[2].plot(ctx, [r["transformers"]["share_of_large_read"] for r in rows], marker + "--",
+                     label=f"transformers {dtype}")
+    for ax, label in zip(axes, ("prefill s (compile excluded)", "decode tokens/s", "decode bytes/s / large read")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    fig.suptitle("SmolLM2-135M-Instruct, batch 1, " + payload["machine"].get("cpu_model", ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def render_model(payload: dict) -> str:
+    """The table and note of a `--model` run (its .md; the docs render it from the committed JSON)."""
+    headers = ["dtype", "context", "kvjax prefill s", "transformers prefill s", "prefill speedup", "kvjax tok/s",
+               "transformers tok/s", "decode speedup", "kvjax GB/s (share of large read)",
+               "transformers GB/s (share)", "kvjax compile s (prefill + decode)"]
+    rows = [[r["dtype"], r["context"], r["kvjax"]["prefill_s"], r["transformers"]["prefill_s"],
+             f"{r['prefill_speedup']:.2f}x", r["kvjax"]["decode_tokens_per_s"], r["transformers"]["decode_tokens_per_s"],
+             f"{r['decode_speedup']:.2f}x", f"{r['kvjax']['achieved_gbps']:.1f} ({100 * r['kvjax']['share_of_large_read']:.0f}%)",
+             f"{r['transformers']['achieved_gbps']:.1f} ({100 * r['transformers']['share_of_large_read']:.0f}%)",
+             r["kvjax"]["prefill_compile_s"] + r["kvjax"]["decode_compile_s"]] for r in payload["results"]]
+    m, c, read = payload["machine"], payload["config"], payload["large_read"]
+    return (markdown_table(headers, rows) +
+            f"\nSmolLM2-135M-Instruct (Q4_1 GGUF dequantised), batch {c['batch']}, {m.get('cpu_model', '')}, "
+            f"{m['cpu_count']} cores, torch threads {c['torch_threads']}; decode = median of {c['timed_steps']} steps "
+            f"after a warm-up; large read (jax sum) {read['jax_sum_gbps']:.1f} GB/s over {read['bytes'] / 2**30:.1f} "
+            f"GiB. {load_line(payload)}\n")
+
+
+def bench_model(args) -> dict:
+    """`--model`: one real model against transformers, batch 1, at each dtype and context (bench_real.json)."""
+    import kvjax
+    from kvjax.models.hub import resolve_model
+    from tqdm import tqdm
+
+    path = resolve_model(args.model)
+    load_before = cpu_load()
+    large_read = read_bound(args.read_gib)
+    results = []
+    for dtype in args.dtypes:
+        model = kvjax.load_model(path, dtype=dtype)
+        hf = load_transformers(path, dtype, args.threads)
+        cfg = model.cfg
+        weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
+        for context in tqdm(args.contexts, desc=f"{dtype} contexts"):
+            prompt = np.random.default_rng(context).integers(0, cfg.vocab_size, (1, context)).astype(np.int32)
+            kv_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype] * (context + args.steps // 2)
+            ours = bench_kvjax(model, prompt, args.steps)
+            theirs = bench_transformers(hf, prompt, args.steps)
+            for r in (ours, theirs):
+                r["achieved_gbps"] = (weight_bytes + kv_bytes) / r["decode_step_s"] / 1e9
+                r["share_of_large_read"] = r["achieved_gbps"] / large_read["jax_sum_gbps"]
+            results.append({
+                "dtype": dtype, "context": context, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes,
+                "kvjax": ours, "transformers": theirs,
+                "decode_speedup": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
+                "prefill_speedup": theirs["prefill_s"] / ours["prefill_s"],
+            })
+            tqdm.write(f"{dtype} {context}: prefill {ours['prefill_s']:.2f}s vs {theirs['prefill_s']:.2f}s, decode "
+                       f"{ours['decode_tokens_per_s']:.1f} vs {theirs['decode_tokens_per_s']:.1f} tok/s")
+        del model, hf
+
+    payload = {
+        "benchmark": "bench_real", "machine": machine_info(), "model": args.model,
+        "config": {"batch": 1, "timed_steps": args.steps, "torch_threads": args.threads,
+                   "layers": cfg.num_layers, "hidden": cfg.hidden_size},
+        "large_read": large_read, "results": results,
+    }
+    payload.update(cpu_load_before=load_before, cpu_load_after=cpu_load())
+    return payload
+
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="kvjax bench decode", description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", nargs="+", default=None, help="widths to run (default: all)")
+    parser.add_argument("--model", default=None,
+                        help="one real model instead of the widths (a fetched name or a .gguf file): bench_real.json")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPE_BYTES),
+                        help="--model: the dtypes to run")
     parser.add_argument("--layers-1b", type=int, default=8, help="layers of the Llama-3.2-1B width (the model has 16)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192], help="contexts at batch 1")
+    parser.add_argument("--contexts", type=int, nargs="+", default=None,
+                        help="contexts at batch 1 (default 1024 4096 8192; with --model 2048 4096 8192)")
     parser.add_argument("--batch", type=int, default=8, help="the batched rows (0: batch 1 only)")
     parser.add_argument("--batch-contexts", type=int, nargs="+", default=[1024, 2048], help="contexts at --batch")
-    parser.add_argument("--steps", type=int, default=8, help="timed decode steps per cell")
+    parser.add_argument("--steps", type=int, default=None, help="timed decode steps per cell (default 8; --model 16)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     parser.add_argument("--read-gib", type=float, default=2.0, help="size of the large read used as the bound")
-    parser.add_argument("--out", default=default_out("decode"))
+    parser.add_argument("--out", default=None, help="default ./kvjax-results/decode (--model: real_speed)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (one small width, short contexts)")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.contexts, args.batch, args.batch_contexts, args.steps, args.read_gib = [128, 256], 2, [128], 3, 0.25
+    if args.model is not None and args.widths is not None:
+        parser.error(f"--model {args.model} runs one model: drop --widths {' '.join(args.widths)}")
+    if args.model is not None:
+        args.contexts, args.steps = args.contexts or [2048, 4096, 8192], args.steps or 16
+        args.out = args.out or default_out("real_speed")
+        if args.quick:
+            args.contexts, args.dtypes, args.steps, args.read_gib = [256, 512], ["float32"], 3, 0.25
+    else:
+        args.contexts, args.steps = args.contexts or [1024, 4096, 8192], args.steps or 8
+        args.out = args.out or default_out("decode")
+        if args.quick:
+            args.contexts, args.batch, args.batch_contexts, args.steps, args.read_gib = [128, 256], 2, [128], 3, 0.25
     try:
         import torch
     except ImportError:
         raise SystemExit("kvjax bench decode compares against transformers on torch, which is not installed: "
                          "pip install 'kvjax[dev]' (torch's CPU wheel) first") from None
-    import os
-
     from tqdm import tqdm
 
     threads = args.threads or os.cpu_count()
+    if args.model is not None:
+        args.threads = threads
+        payload = bench_model(args)
+        text = render_model(payload)
+        paths = write_outputs(args.out, "bench_real", payload, text)
+        plot_model(payload, paths["json"].replace(".json", ".png"))
+        print(text)
+        return payload
     torch.set_num_threads(threads)
     available = widths(args.layers_1b, args.quick)
     chosen = args.widths or list(available)

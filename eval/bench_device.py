@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from ._report import default_out, machine_info, markdown_table, write_outputs
+from .lib.report import default_out, machine_info, markdown_table, write_outputs
 
 KERNEL_TESTS = ("tests/test_kernels_native.py", "tests/test_kernels_decode.py", "tests/test_kernels_quest.py",
                 "tests/test_kernels_int8.py", "tests/test_kernels_mosaic_gpu.py")

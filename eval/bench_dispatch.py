@@ -20,8 +20,8 @@ import statistics
 import jax
 import numpy as np
 
-from ._report import cpu_load, default_out, machine_info, markdown_table, write_outputs
-from ._timing import timed
+from .lib.report import cpu_load, default_out, machine_info, markdown_table, write_outputs
+from .lib.timing import timed
 
 NO_EOS = -1  # a token id no model produces: every row runs the full length
 

@@ -20,7 +20,8 @@ import json
 import subprocess
 import sys
 
-from ._report import default_out, machine_info, markdown_table, write_outputs
+from .lib.report import default_out, machine_info, markdown_table, write_outputs
+from .lib.setups import chunked_page_tables
 
 LAYERS, HEADS, HEAD_DIM, PAGE_SIZE = 4, 32, 128, 16
 
@@ -37,7 +38,6 @@ def measure(devices: int, context: int, read_mib: int, repeats: int) -> dict:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from kvjax import pallas_kernels as pk
-    from .bench_attention import chunked_page_tables
 
     if len(jax.devices()) != devices:
         raise SystemExit(f"asked for {devices} CPU devices, JAX has {len(jax.devices())}")

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from ._report import cpu_load, default_out, machine_info, markdown_table, write_outputs
+from .lib.report import cpu_load, default_out, machine_info, markdown_table, write_outputs
 
 WINDOW, PAGE, CHUNK = 64, 16, 128
 MODEL = dict(model_type="gemma3_text", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=6,

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ._report import default_out, machine_info, markdown_table, write_outputs
+from .lib.report import default_out, load_line, machine_info, markdown_table, write_outputs
 
 
 def make_trace(args, vocab: int) -> list[tuple[list[int], int]]:
@@ -157,8 +157,6 @@ def run_sequential(model, trace, args) -> dict:
 def interleave_table(payloads: list) -> str:
     """Runs that differ only in `--prefill-chunks-per-step`, a row each: what spreading a prefill over
     dispatches trades (throughput and first-token time against steadier inter-token latency)."""
-    from ._report import load_line
-
     rows = []
     for p in payloads:
         s = p["server"]

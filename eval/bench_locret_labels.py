@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from ._report import default_out, machine_info, markdown_table, reset_peak_rss, rss_mib, write_outputs
+from .lib.report import default_out, machine_info, markdown_table, reset_peak_rss, rss_mib, write_outputs
 
 
 def run_point(args, length: int) -> dict:

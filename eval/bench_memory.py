@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from ._report import default_out, machine_info, markdown_table, reset_peak_rss, rss_mib, write_outputs
+from .lib.report import default_out, machine_info, markdown_table, reset_peak_rss, rss_mib, write_outputs
 
 # Few layers and a small MLP keep compute low; 4 kv heads of 128 in float32 give 4 KiB of K+V per token
 # per layer, so a 64K-token full cache is 512 MiB against a ~300 MiB JAX process.

@@ -20,9 +20,10 @@ import functools
 
 import numpy as np
 
-from ._tables import same_cell, vs_snapkv
-from ._report import LOAD_AT_START, cpu_load, default_out, machine_info, markdown_table, write_outputs
-from ._timing import DecodeRun, round_robin
+from .lib.report import LOAD_AT_START, cpu_load, default_out, machine_info, markdown_table, write_outputs
+from .lib.setups import attention_heavy_config, step_bytes
+from .lib.tables import same_cell, selection_speed, vs_snapkv
+from .lib.timing import DecodeRun, round_robin, timed
 
 POLICIES = {
     "full": {},
@@ -42,14 +43,6 @@ POLICIES = {
     "key_int4": {"dense_layers": 0},
 }
 DEFAULT_POLICIES = [name for name in POLICIES if name not in ("oracle_page", "oracle_token", "loki", "key_int4")]
-
-
-def attention_heavy_config(vocab: int):
-    return {
-        "model_type": "llama", "vocab_size": vocab, "hidden_size": 512, "intermediate_size": 1024,
-        "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 128,
-        "max_position_embeddings": 65536, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    }
 
 
 def make_policy(name: str, budget: int):
@@ -85,8 +78,6 @@ def kv_bytes_read(name: str, cfg, context: int, budget: int, page_size: int, kv_
     per_slot = {"float32": 2 * cfg.head_dim * 4, "bfloat16": 2 * cfg.head_dim * 2, "int8": 2 * (cfg.head_dim + 4)}[kv_dtype]
     heads = cfg.num_kv_heads
     if name in ("oracle_page", "oracle_token", "loki", "key_int4"):
-        from .selection_bytes import step_bytes
-
         return cfg.num_layers * heads * step_bytes(
             name, context, budget, head_dim=cfg.head_dim, page_size=page_size,
             group=cfg.num_heads // cfg.num_kv_heads, kv_itemsize=per_slot // (2 * cfg.head_dim))["total"]
@@ -125,8 +116,6 @@ def score_calls(run: DecodeRun) -> dict:
 def time_round_robin(calls: dict, repeats: int) -> dict:
     """Median milliseconds of each call (its result blocked on), one warm-up each, timed round-robin."""
     import statistics
-
-    from ._timing import timed
 
     for call in calls.values():
         timed(call)
@@ -178,8 +167,6 @@ def render(payload: dict, out: str) -> str:
             "reported apart.\n")
     table = markdown_table(headers, rows) + note
     if any("score_ms" in r for r in results):
-        from ._tables import selection_speed
-
         table += "\n" + selection_speed(payload)
     paths = write_outputs(out, "bench_policies", payload, table)
     plot(payload, paths["json"].replace(".json", ".png"))

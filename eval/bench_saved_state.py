@@ -19,8 +19,8 @@ import subprocess
 import sys
 import time
 
-from ._report import LOAD_AT_START, cpu_load, default_out, machine_info, markdown_table, write_outputs
-from ._report import load_line
+from .lib.report import LOAD_AT_START, cpu_load, default_out, machine_info, markdown_table, write_outputs
+from .lib.report import load_line
 
 POLICIES = {  # name -> (policy, options (BUDGET: a quarter of the document), page dtype)
     "quest": ("quest", {"token_budget": 1024}, None),

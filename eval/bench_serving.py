@@ -42,7 +42,7 @@ from kvjax.jenga import (
     choose_large_page_bytes,
 )
 
-from ._report import default_out
+from .lib.report import default_out
 
 GIB = 2**30
 

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from ._report import cpu_load, default_out, machine_info, markdown_table, write_outputs
+from .lib.report import cpu_load, default_out, machine_info, markdown_table, write_outputs
 
 # pytest's summary ("802 passed, 17 skipped, 1 failed, 60 deselected in 1106.3s") and its --durations rows
 # ("12.34s call     tests/test_x.py::test_y[case]")

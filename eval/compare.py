@@ -10,8 +10,7 @@ import json
 import os
 from typing import Any
 
-from ._report import default_out, markdown_table
-from .suite import RUN_KIND
+from .lib.report import RUN_KIND, default_out, markdown_table
 
 LOWER_IS_BETTER = {"ms", "s"}  # times; every other unit (tok/s, GB/s, x, share) is better higher
 

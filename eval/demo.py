@@ -18,6 +18,8 @@ import os
 import sys
 import time
 
+from .lib.report import cpu_load, load_line, markdown_table
+
 DEMO_POLICIES = ("full", "quest", "quest_static", "snapkv", "ada_snapkv", "h2o", "streaming", "kvzip")
 REAL_POLICIES = ("full", "quest", "snapkv", "ada_snapkv", "h2o", "streaming", "kvzip")
 # (tasks, policies, budget, samples, dense layers) per kind of model. The shipped model retrieves from
@@ -34,8 +36,7 @@ def run_demo(model_name: str = "tiny", length: int = 2048, budget: int | None = 
     import kvjax
     from kvjax.util.compilation_cache import enable_compilation_cache
 
-    from . import sweep
-    from ._report import cpu_load
+    from .lib.sweep import run_sweep
 
     enable_compilation_cache()
     load_before = cpu_load()
@@ -43,9 +44,9 @@ def run_demo(model_name: str = "tiny", length: int = 2048, budget: int | None = 
     model = kvjax.load_model(model_name)
     tasks, default_policies, default_budget, default_samples, dense_layers = SETTINGS[
         "tiny" if model_name == "tiny" else "real"]
-    result = sweep.run_sweep(model, tuple(policies or default_policies), [budget or default_budget], [length], tasks,
-                             samples or default_samples, records, seed, dense_layers=dense_layers,
-                             progress=not as_json, clear_compiled=False)
+    result = run_sweep(model, tuple(policies or default_policies), [budget or default_budget], [length], tasks,
+                       samples or default_samples, records, seed, dense_layers=dense_layers,
+                       progress=not as_json, clear_compiled=False)
     result["seconds"] = round(time.perf_counter() - started, 1)
     result["model"] = model_name
     result["cpu_load_before"], result["cpu_load_after"] = load_before, cpu_load()
@@ -57,8 +58,6 @@ TASK_TITLES = {"multikey": "multi-key", "real_passkey": "passkey (real text)", "
 
 
 def demo_table(result: dict) -> str:
-    from ._report import markdown_table
-
     budget, length = result["budgets"][0], result["lengths"][0]
     acc = {(r["task"], r["policy"]): r for r in result["accuracy"]}
     speed = {r["policy"]: r for r in result["latency"]}
@@ -81,6 +80,11 @@ def demo_table(result: dict) -> str:
         note = ("\nquest_static is the query-agnostic control: Quest's page score, but pages chosen once from the last "
                 "context query, before the question." + note)
     return head + table + note
+
+
+def render(result: dict) -> str:
+    """`kvjax demo --json`'s result as the docs show it: the demo's own table, with the load it ran under."""
+    return demo_table(result).strip() + f" {load_line(result)}\n"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """Accuracy by needle depth from a sweep's checkpoint: where in the context each policy loses the needle.
 
 The sweep (`eval.sweep`) checkpoints every cell's per-sample scores batch by batch; the samples are
-rebuilt here from the same seed (they are deterministic: `retrieval.task_samples`), so each score gets
+rebuilt here from the same seed (they are deterministic: `eval.lib.retrieval.task_samples`), so each score gets
 its needle's realised depth (the fraction of the filler before it). One table per (task, length) at one
 budget (default the sweep's largest): rows = policies, columns = depth bins; and a plot of the same.
 
@@ -17,7 +17,9 @@ import os
 
 import numpy as np
 
-from ._report import markdown_table, write_outputs
+from .lib import retrieval
+from .lib.report import markdown_table, write_outputs
+from .lib.tables import recorded_load
 
 DEFAULT_BINS = 5
 
@@ -77,6 +79,11 @@ def depth_table(payload: dict, task: str, length: int) -> str:
     return depth_block(task, length, payload["budget"], payload["bins"], rows)
 
 
+def passkey_4k(payload: dict) -> str:
+    """The committed JSON's passkey at 4K as the docs show it: `depth_table` with the run's load."""
+    return depth_table(payload, "real_passkey", 4096) + "\n" + recorded_load(payload)
+
+
 def plot(found: dict, policies, bins: int, budget, path: str) -> str:
     import matplotlib
 
@@ -122,8 +129,6 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     import kvjax
-
-    from . import retrieval
 
     model = kvjax.load_model(args.model)
     setting = {"samples": args.samples, "records": args.records, "seed": args.seed, "dense_layers": args.dense_layers,

@@ -10,7 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from .retrieval import TASKS as RETRIEVAL_TASKS
+from .lib import longbench, retrieval
+from .lib.perplexity import decode_perplexity, read_text_tokens
+from .lib.policies import build_policy
+
+RETRIEVAL_TASKS = retrieval.TASKS
 
 TASKS = RETRIEVAL_TASKS + ("perplexity", "longbench")
 
@@ -43,14 +47,10 @@ def run(args) -> tuple[dict, str]:
     import kvjax
     from kvjax.util.compilation_cache import enable_compilation_cache
 
-    from .sweep import build_policy
-
     enable_compilation_cache()
     model = kvjax.load_model(args.model, dtype=args.dtype)
     policy = build_policy(args.policy, args.budget, args.dense_layers)
     if args.task in RETRIEVAL_TASKS:
-        from . import retrieval
-
         rows = []
         for n in args.length:
             records = retrieval.run_task(model, policy, args.task, n, args.samples, args.seed, args.records)
@@ -62,19 +62,15 @@ def run(args) -> tuple[dict, str]:
         text = "\n".join(f"{args.task} {r['length']} tokens, {args.policy}: {100 * r['accuracy']:.1f}% of "
                          f"{r['samples']} (by depth {r['by_depth']})" for r in rows)
     elif args.task == "perplexity":
-        from .perplexity import decode_perplexity, read_text_tokens
-
         if not args.text:
             raise ValueError("kvjax eval perplexity needs --text FILE (a local text file, e.g. a PG19 book)")
         ids = read_text_tokens(args.text, model.tokenizer, args.max_tokens)
         result = decode_perplexity(model, policy, ids, args.prefix_tokens, progress=not args.json)
         text = f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens ({args.policy})"
     else:
-        from .longbench import run_longbench
-
         if not (args.data and args.longbench_task):
             raise ValueError("kvjax eval longbench needs --longbench-task NAME and --data FILE.jsonl")
-        result = run_longbench(model, policy, args.longbench_task, args.data, args.max_prompt_tokens,
+        result = longbench.run_longbench(model, policy, args.longbench_task, args.data, args.max_prompt_tokens,
                                args.max_samples, progress=not args.json)
         text = (f"{args.longbench_task} ({args.policy}): {result['score']:.2f} over {result['samples']} samples "
                 f"({result['skipped_rows']} bad rows skipped)")

@@ -36,7 +36,8 @@ import tempfile
 
 import numpy as np
 
-VENV = ".venv-kvpress"
+from .lib.crosscheck import VENV, compare
+
 NUM_LAYERS = 2  # the runner's tiny Llama
 SNAPKV = {"window": 64, "kernel_size": 5, "pooling": "avg"}
 PAIRS = {  # kvpress press -> (kvjax policy, options beyond the budget)
@@ -83,25 +84,6 @@ def run_kvpress(python: str, spec: dict) -> dict:
 def most_kept(kept: list) -> list[int]:
     """Per layer, the most positions a kv head keeps (kept: [layer][head] -> positions)."""
     return [max(len(head) for head in layer) for layer in kept]
-
-
-def compare(ours: list, theirs: list, scores: list, tol: float) -> dict:
-    """Per (layer, head): positions kept by one side only, and whether kvpress's scores tie them."""
-    differing, ties, same_counts = 0, 0, True
-    for layer, (ours_l, theirs_l) in enumerate(zip(ours, theirs)):
-        for head, (a, b) in enumerate(zip(ours_l, theirs_l)):
-            s = np.asarray(scores[layer][head])
-            # pair the swapped positions by kvpress's score, best first
-            only_ours = sorted(set(a) - set(b), key=lambda t: -s[t])
-            only_theirs = sorted(set(b) - set(a), key=lambda t: -s[t])
-            differing += len(only_ours)
-            scale = np.max(np.abs(s[np.isfinite(s)])) if np.isfinite(s).any() else 1.0
-            for x, y in zip(only_ours, only_theirs):
-                if abs(s[x] - s[y]) <= tol * scale:
-                    ties += 1
-            same_counts &= len(only_ours) == len(only_theirs)
-    return {"differing_positions": differing, "explained_by_ties": ties, "same_counts_per_head": same_counts,
-            "exact": differing == 0 and same_counts, "agrees": differing == ties and same_counts}
 
 
 def crosscheck(python: str, length: int = 512, budget: int = 128, seed: int = 0, tol: float = 1e-5) -> dict:

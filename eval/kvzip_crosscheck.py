@@ -22,7 +22,7 @@ import tempfile
 
 import numpy as np
 
-from .kvpress_crosscheck import VENV, compare
+from .lib.crosscheck import VENV, compare
 
 NUM_LAYERS = 3
 CASES = {  # name -> (kvjax kvzip options beyond the budget, KVzipPress options)

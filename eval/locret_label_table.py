@@ -31,8 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._report import cpu_load, machine_info, markdown_table
-from .locret_oracle import answer_ids, needle_kept, pool_batches, write_and_print
+from .lib import retrieval
+from .lib.needles import answer_ids, needle_kept, needle_span
+from .lib.report import cpu_load, machine_info, markdown_table, write_and_print
+from .lib.sweep import pool_batches
 
 LABELS = ("question+answer logit", "answer logit (Locret)", "KVzip")
 SPREADS = {"per kv head": "head", "pooled per layer": "layer", "pooled over all layers": "all"}
@@ -87,9 +89,6 @@ def run_batch(model, samples, task: str, length: int, budgets, chunk: int, progr
     from kvjax.policies import FullPolicy
     from kvjax.policies.kvzip import INSTRUCTION_ROOM, KVzip
 
-    from . import retrieval
-    from .trace_needle import needle_span
-
     split = [retrieval.split_sample(model, s, task) for s in samples]
     contexts = [c for c, _, _ in split]
     questions = [list(q) for _, q, _ in split]
@@ -133,8 +132,6 @@ def run(model, tasks, length: int, budgets, num_samples: int = 50, batch_size: i
     """Every task's first batches (`samples[index::batches]`, the sweep's order), resumed from `checkpoint`;
     returns {"cells": [{task, length, label, spread, budget, accuracy, needle_kept, samples}], ...}."""
     from tqdm import tqdm
-
-    from . import retrieval
 
     setting = {"length": length, "samples": num_samples, "batch_size": batch_size, "seed": seed, "chunk": chunk,
                "sinks": SINKS, "budgets": list(budgets)}
@@ -212,8 +209,6 @@ def table(result: dict) -> str:
 def main(argv=None) -> dict:
     from kvjax.models.loading import load_model
     from kvjax.util.compilation_cache import enable_compilation_cache
-
-    from . import retrieval
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")

@@ -44,7 +44,10 @@ from kvjax.locret.labels import Batch, compute_targets
 from kvjax.policies.base import ChunkSchedule
 from kvjax.policies.locret import Locret
 
-from ._report import machine_info, markdown_table, write_outputs
+from .lib import retrieval
+from .lib.needles import answer_ids, needle_kept, needle_span
+from .lib.report import machine_info, markdown_table, write_and_print
+from .lib.sweep import pool_batches
 
 
 def label_scores(layer, inputs, labels) -> jax.Array:
@@ -71,11 +74,6 @@ class LabelScoredLocret(Locret):
         return ChunkSchedule(tail=self.local_tail, score=label_scores, params=self.labels)
 
 
-def answer_ids(model, sample) -> list[int]:
-    """The gold answer's tokens as the model would write them after the question ("... is 12345")."""
-    return model.tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False)["input_ids"]
-
-
 # compiled once per (cfg, dtype, chunk, shapes), not once per call
 _labels_only = jax.jit(functools.partial(compute_targets, features=False), static_argnames=("cfg", "dtype", "chunk_size"))
 
@@ -100,23 +98,10 @@ def batch_labels(model, prefixes, answers, chunk: int, rows_at_once: int = 5) ->
     return np.concatenate(out, axis=1)
 
 
-def needle_kept(state, spans) -> list[float]:
-    """Per row b, the share of `spans[b]`'s positions the state holds, averaged over layers and kv heads."""
-    from kvjax.cache.compaction import kept_positions
-
-    from .trace_needle import kept_share
-
-    kept = kept_positions(state)
-    return [float(kept_share(state, span, row=b, kept=kept).mean()) for b, span in enumerate(spans)]
-
-
 def run_batch(model, samples, task: str, length: int, budgets, heads, stabilizers: int, local_tail: int,
               chunk: int, progress=None) -> dict:
     """{cell key: {"scores": [per sample], "needle_kept": [per sample]}} for one batch of samples."""
     from kvjax.engine.generation import continue_rows
-
-    from . import retrieval
-    from .trace_needle import needle_span
 
     split = [retrieval.split_sample(model, s, task) for s in samples]
     contexts = [c for c, _, _ in split]
@@ -153,8 +138,6 @@ def run(model, tasks, length: int, budgets, heads, num_samples: int = 50, batch_
     """Every task's batches (the sweep's: `samples[index::batches]`), resumed from `checkpoint`; returns the
     report {"cells": [{task, length, cell, budget, accuracy, needle_kept, samples}], ...}."""
     from tqdm import tqdm
-
-    from . import retrieval
 
     setting = {"length": length, "samples": num_samples, "batch_size": batch_size, "seed": seed,
                "stabilizers": stabilizers, "local_tail": local_tail, "chunk": chunk, "heads": str(heads)}
@@ -199,30 +182,6 @@ def run(model, tasks, length: int, budgets, heads, num_samples: int = 50, batch_
                           "accuracy": float(np.mean(values["scores"])), "needle_kept": float(np.mean(values["needle_kept"])),
                           "samples": len(values["scores"])})
     return {"machine": machine_info(), "setting": setting, "cells": cells}
-
-
-def pool_batches(done: dict) -> dict:
-    """{(task, cell key): {"scores": [...], "needle_kept": [...]}} over the batches `done` ({(task, batch):
-    {cell key: {"scores", "needle_kept"}}}), batches in order."""
-    pooled: dict = {}
-    for (task, _), have in sorted(done.items()):
-        for key, values in have.items():
-            into = pooled.setdefault((task, key), {"scores": [], "needle_kept": []})
-            into["scores"] += values["scores"]
-            into["needle_kept"] += values["needle_kept"]
-    return pooled
-
-
-def write_and_print(out: str, name: str, result: dict, text: str, plot_result=None) -> dict:
-    """`write_outputs` (JSON and Markdown, and a plot when `plot_result(result, path)` is given), then print the
-    table and the paths."""
-    paths = write_outputs(out, name, result, text)
-    if plot_result is not None:
-        paths["png"] = plot_result(result, os.path.join(out, f"{name}.png"))
-    with open(paths["md"]) as f:
-        print(f.read())
-    print(json.dumps(paths))
-    return paths
 
 
 def table(result: dict) -> str:
@@ -277,8 +236,6 @@ def plot(result: dict, path: str) -> str:
 
 def main(argv=None) -> dict:
     from kvjax.models.loading import load_model
-
-    from . import retrieval
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")

@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from ._report import default_out, machine_info, markdown_table, write_outputs
+from .lib.report import default_out, machine_info, markdown_table, write_outputs
+from .lib.retrieval import accuracy, answer_samples
 
 DEFAULT_MODEL = "tiny"
 
@@ -51,9 +52,7 @@ def training_summary(heads: str) -> dict | None:
 
 
 def evaluate(model, policy, samples, chunk: int, batch: int) -> tuple[float, float]:
-    """(exact-match accuracy, seconds), with the question fed as decode steps (eval.retrieval's protocol)."""
-    from .retrieval import accuracy, answer_samples
-
+    """(exact-match accuracy, seconds), with the question fed as decode steps (eval.lib.retrieval's protocol)."""
     began = time.perf_counter()
     scored = answer_samples(model, policy, samples, "multikey", 0, batch_size=batch, chunk_size=chunk)
     return accuracy(scored), time.perf_counter() - began

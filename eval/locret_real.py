@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ._report import markdown_table, write_outputs
+from .lib.report import markdown_table, write_outputs
 
 COMPARED = ("full", "snapkv", "ada_snapkv", "h2o", "streaming")
 COLORS = {"snapkv": "C3", "ada_snapkv": "C0", "h2o": "C1", "streaming": "C4", "locret": "C2"}  # same in every panel

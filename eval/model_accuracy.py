@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from . import retrieval
-from ._report import default_out, machine_info, markdown_table, write_outputs
+from .lib import retrieval
+from .lib.report import default_out, machine_info, markdown_table, write_outputs
 
 
 def run(model, lengths, record_counts, samples: int, seed: int = 0) -> dict:

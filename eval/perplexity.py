@@ -3,9 +3,7 @@
 A prefix of the text is prefilled (and compressed, for methods that compress); every following token is
 then fed through a decode step (`kvjax.engine.generation.feed_tokens`), so each prediction reads the cache the
 policy keeps (Quest's selection, H2O's and TOVA's eviction) exactly as generation would. The score is the
-mean negative log-likelihood of each next token and its exponential.
-
-    result = decode_perplexity(model, policy, token_ids, prefix_tokens=256)
+mean negative log-likelihood of each next token and its exponential (`eval.lib.perplexity`).
 
 As a program, every policy at every budget on real-text windows of a real model, each batch prefilled
 once and every policy derived from it (`kvjax.engine.shared_prefill`); JSON, a Markdown table and a plot of
@@ -25,56 +23,27 @@ from typing import Sequence
 
 import numpy as np
 
-from ._report import default_out, machine_info, markdown_table, write_outputs
+from kvjax.engine.generation import feed_tokens
+from kvjax.engine.shared_prefill import derive, shared_prefill
+from kvjax.tasks import needles
 
-
-def read_text_tokens(path: str, tokenizer, max_tokens: int | None = None) -> list[int]:
-    """Token ids of a local text file (BOS first, as the tokenizer adds it)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if not text.strip():
-        raise ValueError(f"{path} holds no text")
-    ids = tokenizer(text)["input_ids"]
-    return ids[:max_tokens] if max_tokens else ids
-
-
-def decode_perplexity(model, policy, token_ids: Sequence[int], prefix_tokens: int = 1, page_size: int = 16,
-                      progress: bool = True) -> dict:
-    """Mean NLL and perplexity of `token_ids[prefix_tokens:]`, each predicted through one decode step."""
-    import kvjax
-    from kvjax.engine.generation import feed_tokens
-
-    ids = [int(t) for t in token_ids]
-    if not 1 <= prefix_tokens < len(ids):
-        raise ValueError(f"prefix_tokens must be in [1, {len(ids)}) for {len(ids)} tokens, got {prefix_tokens}")
-    state, logits = kvjax.prefill(model, [ids[:prefix_tokens]], policy, page_size=page_size,
-                                  max_new_tokens=len(ids) - prefix_tokens)
-    _, _, nll = feed_tokens(model, state, logits, [np.asarray(ids[prefix_tokens:], np.int32)], policy,
-                            return_nll=True, progress=progress)
-    mean = float(nll[0].astype(np.float64).mean())
-    return {"policy": policy.name, "tokens": int(nll.shape[1]), "prefix_tokens": prefix_tokens, "nll": mean,
-            "perplexity": math.exp(mean)}
+from .lib.policies import DEFAULT_POLICIES, build_policy, cell_key, sweep_cells
+from .lib.report import default_out, machine_info, markdown_table, write_outputs
 
 
 def perplexity_sweep(model, policies: Sequence[str], budgets: Sequence[int], context: int, continuation: int,
                      num_texts: int, batch_size: int = 10, dense_layers: int = 0, seed: int = 0,
                      progress: bool = True) -> dict:
     """Decode perplexity of `num_texts` real-text windows (`context` tokens prefilled, `continuation` scored)
-    under every policy spec (`eval.sweep.build_policy`) at every budget; `full` once."""
+    under every policy spec (`eval.lib.policies.build_policy`) at every budget; `full` once."""
     from tqdm import tqdm
-
-    from kvjax.engine.generation import feed_tokens
-    from kvjax.engine.shared_prefill import derive, shared_prefill
-    from kvjax.tasks import needles
-
-    from .sweep import _cell_key, build_policy, sweep_cells
 
     texts = needles.perplexity_texts(model.tokenizer, context, continuation, num_texts, seed)
     cells = sweep_cells(policies, budgets)
-    nll = {_cell_key(p, b): [] for p, b in cells}
+    nll = {cell_key(p, b): [] for p, b in cells}
     started = time.perf_counter()
     bar = tqdm(total=len(cells) * -(-num_texts // batch_size), desc=f"perplexity {context}", disable=not progress)
-    built = {_cell_key(p, b): build_policy(p, b, dense_layers) for p, b in cells}
+    built = {cell_key(p, b): build_policy(p, b, dense_layers) for p, b in cells}
     for start in range(0, num_texts, batch_size):
         batch = texts[start : start + batch_size]
         shared = shared_prefill(model, [t.context_ids for t in batch], list(built.values()),
@@ -89,7 +58,7 @@ def perplexity_sweep(model, policies: Sequence[str], budgets: Sequence[int], con
     bar.close()
     rows = []
     for spec, budget in cells:
-        values = np.concatenate(nll[_cell_key(spec, budget)]).astype(np.float64)
+        values = np.concatenate(nll[cell_key(spec, budget)]).astype(np.float64)
         mean = float(np.nanmean(values))
         rows.append({"policy": spec, "budget": budget, "nll": mean, "perplexity": math.exp(mean),
                      "tokens": int(np.isfinite(values).sum())})
@@ -138,8 +107,6 @@ def plot(result: dict, path: str) -> str:
 
 
 def main(argv=None) -> dict:
-    from .sweep import DEFAULT_POLICIES
-
     parser = argparse.ArgumentParser(description="Decode perplexity on real text, every policy at every budget")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))

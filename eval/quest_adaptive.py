@@ -24,9 +24,9 @@ import time
 
 from tqdm import tqdm
 
-from . import retrieval
-from ._report import default_out, machine_info, markdown_table, write_outputs
-from .sweep import DEFAULT_DENSE_LAYERS
+from .lib import retrieval
+from .lib.policies import DEFAULT_DENSE_LAYERS
+from .lib.report import default_out, machine_info, markdown_table, write_outputs
 
 
 def run(model, length: int, samples: int, records: int, budgets, top_ps, cap: int, dense_layers: int, seed: int,

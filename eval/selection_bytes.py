@@ -19,29 +19,10 @@ from __future__ import annotations
 
 import argparse
 
-from ._report import default_out, machine_info, markdown_table, write_outputs
+from .lib.report import default_out, machine_info, markdown_table, write_outputs
+from .lib.setups import step_bytes
 
 SELECTORS = ("full", "quest", "oracle_page", "oracle_token", "loki", "key_int4")
-
-
-def step_bytes(selector: str, n: int, budget: int, *, head_dim: int = 64, page_size: int = 16, group: int = 3,
-               rank: int = 16, kv_itemsize: int = 4) -> dict:
-    """{metadata, scores, chosen, total}: bytes one decode step reads per (layer, kv head)."""
-    pages = -(-n // page_size)
-    kv_slot = 2 * head_dim * kv_itemsize
-    if selector == "full":
-        return {"metadata": 0, "scores": 0, "chosen": n * kv_slot, "total": n * kv_slot}
-    metadata = {
-        "quest": pages * 2 * head_dim * 4,
-        "oracle_page": n * head_dim * kv_itemsize,
-        "oracle_token": n * head_dim * kv_itemsize,
-        "loki": n * rank * 2 + head_dim * rank * 4,
-        "key_int4": n * head_dim // 2 + head_dim * 4,
-    }[selector]
-    rows = n if selector == "oracle_token" else pages
-    scores = 4 * rows * group + 4 * pages
-    chosen = group * min(budget, n) * kv_slot
-    return {"metadata": metadata, "scores": scores, "chosen": chosen, "total": metadata + scores + chosen}
 
 
 def render(payload: dict) -> str:

@@ -9,7 +9,8 @@
 #   decode     eval.bench_decode: kvjax decode and prefill against transformers (needs torch; the torch side
 #              always runs on the CPU)
 #   prefill    this file: kvjax chunked prefill tokens/s on the policies' attention-heavy shape, at --dtype
-#   real       eval.bench_real: SmolLM2-135M against transformers (needs torch and `kvjax fetch smollm2-135m`)
+#   real       eval.bench_decode --model smollm2-135m: SmolLM2-135M against transformers (needs torch and
+#              `kvjax fetch smollm2-135m`)
 #   dispatch   eval.bench_dispatch: decode tokens/s against decode steps per device call (1 = a host round
 #              trip per token), tiny model and SmolLM2-135M when fetched, batch 1 and 8
 # Then DIR/run.json holds the device tag, the large read measured once at the start, the members' status
@@ -43,10 +44,10 @@ import time
 import traceback
 from typing import Callable
 
-from ._report import (cpu_load, default_out, device_tag, markdown_table, measure_large_read, share_of_large_read,
+from .lib.report import (RUN_KIND, cpu_load, default_out, device_tag, markdown_table, measure_large_read, share_of_large_read,
                       usable_cpus, write_outputs)
+from .lib.setups import attention_heavy_config
 
-RUN_KIND = "kvjax-suite-run"  # run.json's "kind"; compare refuses files without it
 RUN_VERSION = 1
 REAL_MODEL = "smollm2-135m"
 DTYPES = ("float32", "bfloat16")
@@ -120,7 +121,7 @@ def policies_figures(payload: dict, large_read: dict) -> list[dict]:
 
 
 def _against_transformers(benchmark: str, rows: list[dict], large_read: dict, platform: str, **fixed) -> list[dict]:
-    """Figures of a kvjax-vs-transformers program (bench_decode, bench_real): decode, prefill, bandwidth."""
+    """Figures of a kvjax-vs-transformers program (bench_decode, its --model run): decode, prefill, bandwidth."""
     note = None if platform == "cpu" else f"transformers ran on the CPU, kvjax on {platform}"
     figs = []
     for r in rows:
@@ -194,8 +195,6 @@ def run_prefill(argv: list[str]) -> dict:
     import kvjax
     from kvjax.models.loading import resolve_dtype
 
-    from .bench_policies import attention_heavy_config
-
     vocab = 4096
     cfg = kvjax.ModelConfig.from_hf_dict(attention_heavy_config(vocab))
     model = kvjax.Model(cfg, kvjax.init_params(cfg, seed=0, dtype=args.dtype), dtype=resolve_dtype(args.dtype))
@@ -244,10 +243,10 @@ def _prefill_argv(s: Settings, out: str) -> list[str]:
 
 
 def _real_argv(s: Settings, out: str) -> list[str]:
-    # not bench_real's --quick: that one forces float32
+    # not bench_decode --model's --quick: that one forces float32
     quick = ["--contexts", "256", "512", "--steps", "3"]
-    return (quick if s.quick else []) + ["--dtypes", s.dtype, "--threads", str(s.threads),
-                                         "--read-gib", f"{s.read_gib:g}", "--out", out]
+    return ["--model", REAL_MODEL, *(quick if s.quick else []), "--dtypes", s.dtype, "--threads", str(s.threads),
+            "--read-gib", f"{s.read_gib:g}", "--out", out]
 
 
 def _dispatch_argv(s: Settings, out: str) -> list[str]:
@@ -260,7 +259,7 @@ MEMBERS = {m.name: m for m in (
     Member("decode", "kvjax.eval.bench_decode", ("torch", "transformers"), _decode_argv, decode_figures,
            "bench_decode"),
     Member("prefill", None, (), _prefill_argv, prefill_figures, "prefill", dtype_option=True),
-    Member("real", "kvjax.eval.bench_real", ("torch", "transformers"), _real_argv, real_figures, "bench_real",
+    Member("real", "kvjax.eval.bench_decode", ("torch", "transformers"), _real_argv, real_figures, "bench_real",
            dtype_option=True),
     Member("dispatch", "kvjax.eval.bench_dispatch", (), _dispatch_argv, dispatch_figures, "bench_dispatch"),
 )}

@@ -18,80 +18,18 @@ import argparse
 import json
 import sys
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ._report import default_out, markdown_table, write_outputs
-
-
-def needle_span(model, sample) -> np.ndarray:
-    """int[N]: context positions of the asked needle's tokens (its sentence, as tokenized in place)."""
-    from kvjax.tasks import needles
-
-    if sample.task == "passkey":
-        text = needles.PASSKEY_NEEDLE.format(key=sample.answer)
-    else:
-        text = needles.RULER_NEEDLE.format(key=sample.key, value=sample.answer)
-    length = len(model.tokenizer(" " + text, add_special_tokens=False)["input_ids"])
-    start = sample.needle_positions[0]
-    return np.arange(start, min(start + length, len(sample.context_ids)))
-
-
-def needle_attention(model, prompt_ids, span: np.ndarray) -> np.ndarray:
-    """f32[L, Hq]: per layer and query head, the attention mass the last prompt token puts on `span`."""
-    from kvjax.cache.attention import dense_causal_attention
-    from kvjax.models import CausalLM
-    from kvjax.models.transformer import unrolled
-    from kvjax.models.rope import rope_frequencies
-
-    cfg = model.cfg
-    tokens = jnp.asarray(np.asarray(prompt_ids, np.int32)[None])
-    T = tokens.shape[1]
-    positions = jnp.arange(T, dtype=jnp.int32)[None]
-    mask = jnp.zeros((T,), bool).at[jnp.asarray(span)].set(True)
-    masses = []
-
-    def attend(layer, inputs, carry):
-        q = inputs.q[0, -1].astype(jnp.float32)  # [Hq, D]
-        k = jnp.repeat(inputs.k[0].astype(jnp.float32), cfg.num_heads // cfg.num_kv_heads, axis=1)  # [T, Hq, D]
-        probs = jax.nn.softmax(jnp.einsum("hd,thd->ht", q, k) * cfg.head_dim**-0.5, axis=-1)
-        masses.append(np.asarray((probs * mask[None]).sum(-1)))
-        return dense_causal_attention(inputs.q, inputs.k, inputs.v), carry
-
-    CausalLM(cfg, model.dtype).apply(
-        {"params": model.params}, tokens, positions, rope_frequencies(cfg, False), unrolled(attend, cfg.num_layers),
-        None, method=CausalLM.hidden_and_logits,
-    )
-    return np.stack(masses)
-
-
-def kept_share(state, span: np.ndarray, row: int = 0, kept: list | None = None) -> np.ndarray:
-    """f32[L, H]: per layer and kv head of sequence `row`, the share of `span`'s positions the state holds.
-    `kept`: the state's `kvjax.cache.compaction.kept_positions`, when the caller already read them."""
-    from kvjax.cache.compaction import kept_positions
-
-    kept = kept_positions(state) if kept is None else kept
-    return np.array([[np.isin(span, kept[l][row][h]).mean() for h in range(len(kept[l][row]))]
-                     for l in range(len(kept))])
-
-
-def value_span(model, sample, span: np.ndarray) -> np.ndarray:
-    """int[N]: the positions of the asked value's tokens at the end of a RULER needle (its digits and the
-    closing period); the whole needle for a passkey, whose key appears twice."""
-    if sample.task == "passkey":
-        return span
-    length = len(model.tokenizer(" " + sample.answer + ".", add_special_tokens=False)["input_ids"])
-    return span[-length:]
+from .lib import retrieval
+from .lib.needles import kept_share, needle_attention, needle_span, value_span
+from .lib.policies import build_policy
+from .lib.report import default_out, markdown_table, write_outputs
 
 
 def trace(model, task: str, length: int, sample_index: int, policies, budget: int, dense_layers: int = 0,
           seed: int = 0, question_in_prefill: bool = False, num_samples: int = 50) -> dict:
     from kvjax.engine.generation import continue_rows
     from kvjax.engine.shared_prefill import shared_prefill
-
-    from . import retrieval
-    from .sweep import build_policy
 
     if not 0 <= sample_index < num_samples:
         raise ValueError(f"sample {sample_index} is not among the {num_samples} samples")
@@ -170,8 +108,6 @@ def plot(result: dict, path: str) -> str:
 
 
 def main(argv=None) -> dict:
-    from . import retrieval
-
     parser = argparse.ArgumentParser(description="Where full attention finds a needle and which policies kept it")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--task", default="real_passkey", choices=list(retrieval.REAL_TASKS))

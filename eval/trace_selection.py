@@ -22,7 +22,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._report import default_out, markdown_table, write_outputs
+from .lib import retrieval
+from .lib.needles import needle_attention, needle_span, value_span
+from .lib.policies import build_policy
+from .lib.report import default_out, markdown_table, write_outputs
+from .lib.tables import recorded_load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +55,6 @@ def trace(model, task: str, length: int, sample_index: int, policies, budgets, s
           num_samples: int = 50) -> dict:
     from kvjax.engine.generation import feed_tokens
     from kvjax.engine.shared_prefill import shared_prefill
-
-    from . import retrieval
-    from .sweep import build_policy
-    from .trace_needle import needle_attention, needle_span, value_span
 
     sample = retrieval.task_samples(model, task, length, num_samples, seed)[sample_index]
     span = needle_span(model, sample)
@@ -107,10 +107,13 @@ def trace_table(result: dict) -> str:
                                   "layers whose top head missed it"], rows)
 
 
+def render(payload: dict) -> str:
+    """The committed JSON as the docs show it: `trace_table` of each traced sample, with the run's load."""
+    return "\n".join(trace_table(r) for r in payload["results"]) + "\n" + recorded_load(payload)
+
+
 def main(argv=None) -> dict:
     import kvjax
-
-    from . import retrieval
 
     parser = argparse.ArgumentParser(description="Whether each selector's heads read the needle's page")
     parser.add_argument("--model", default="smollm2-135m")

@@ -182,7 +182,7 @@ BENCHMARKS = {  # speed, memory and compile time
     "decode": "kvjax.eval.bench_decode", "policies": "kvjax.eval.bench_policies",
     "attention": "kvjax.eval.bench_attention", "serving": "kvjax.eval.bench_serving",
     "memory": "kvjax.eval.bench_memory", "cacheclip": "kvjax.eval.bench_cacheclip",
-    "real": "kvjax.eval.bench_real", "compile": "kvjax.eval.bench_compile", "locret-labels": "kvjax.eval.bench_locret_labels",
+    "compile": "kvjax.eval.bench_compile", "locret-labels": "kvjax.eval.bench_locret_labels",
     "suite": "kvjax.eval.suite", "compare": "kvjax.eval.compare", "dispatch": "kvjax.eval.bench_dispatch",
     "load": "kvjax.eval.bench_load", "device": "kvjax.eval.bench_device", "saved-state": "kvjax.eval.bench_saved_state",
 }
@@ -194,6 +194,8 @@ EVALUATIONS = {  # accuracy, perplexity, what a policy keeps
 # evaluations `kvjax bench` ran before `kvjax eval NAME` existed, by their old names (`kvjax eval perplexity` is
 # evaluate.py's task)
 MOVED_TO_EVAL = {name: name for name in EVALUATIONS} | {"perplexity": "perplexity-sweep"}
+# benchmarks folded into another, by their old names: (the benchmark now run, the options put first)
+FOLDED = {"real": ("decode", ["--model", "smollm2-135m"])}
 TRAINERS = {"locret": "kvjax.train.locret", "default-model": "kvjax.train.train_default_model",
             "cacheclip-aux": "kvjax.train.cacheclip_aux"}
 DEMO, EVALUATE = "kvjax.eval.demo", "kvjax.eval.evaluate"
@@ -233,8 +235,14 @@ def cmd_bench(args) -> int:
     if args.name in MOVED_TO_EVAL:
         moved = MOVED_TO_EVAL[args.name]
         print(f"kvjax bench {args.name}: an evaluation, now `kvjax eval {moved}` (run as that)", file=sys.stderr)
+    rest = [a for a in args.rest if a != "--json"]
+    if args.name in FOLDED:
+        name, first = FOLDED[args.name]
+        first = [] if "--model" in rest else first
+        print(f"kvjax bench {args.name}: runs `kvjax bench {' '.join([name, *first, *rest])}`", file=sys.stderr)
+        return _run_program(BENCHMARKS[name], first + rest, as_json)
     module = BENCHMARKS.get(args.name) or EVALUATIONS[MOVED_TO_EVAL.get(args.name, args.name)]
-    return _run_program(module, [a for a in args.rest if a != "--json"], as_json)
+    return _run_program(module, rest, as_json)
 
 
 def cmd_train(args) -> int:
@@ -359,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(func=cmd_fetch)
 
     bench = sub.add_parser("bench", help="run a benchmark program (speed, memory, compile time; eval/bench_NAME.py)")
-    bench.add_argument("name", choices=sorted(BENCHMARKS) + sorted(MOVED_TO_EVAL))
+    bench.add_argument("name", choices=sorted(BENCHMARKS) + sorted(MOVED_TO_EVAL) + sorted(FOLDED))
     bench.add_argument("--json", action="store_true", help="print the result JSON on stdout (tables go to stderr)")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=cmd_bench)

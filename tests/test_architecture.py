@@ -235,6 +235,53 @@ def _import_cycles(package: str) -> list[list[str]]:
 
 
 def test_the_programs_import_in_no_circle():
-    """eval/'s programs and shared pieces (`_report`, `_timing`, `_tables`, ...) import one another without
-    a circle, function-local imports included."""
+    """eval/'s programs and shared pieces (`eval/lib`) import one another without a circle, function-local
+    imports included."""
     assert _import_cycles("kvjax.eval") == []
+
+
+EVAL_LIB = "kvjax.eval.lib"
+
+
+def _eval_arrows(modules: dict[str, pathlib.Path]) -> list[str]:
+    """The imports that break eval/'s shape: a program (a module of `kvjax.eval` outside `eval/lib`) importing
+    another program, or `eval/lib` importing a program (function-local imports included)."""
+    names = set(modules)
+    problems = []
+    for module, path in sorted(modules.items()):
+        if not module.startswith("kvjax.eval."):
+            continue
+        for target, name, line in _imports(module, path, names):
+            if target == "kvjax.eval" and f"kvjax.eval.{name}" not in names:
+                continue  # a name of the package itself
+            if not target.startswith("kvjax.eval.") or target == module:
+                continue
+            if not (target == EVAL_LIB or target.startswith(EVAL_LIB + ".")):
+                kind = "eval/lib's" if module.startswith(EVAL_LIB + ".") else "the program"
+                problems.append(f"{path}:{line}: {kind} {module} imports the program {target}"
+                                f"{'.' + name if name else ''} (move what both use to eval/lib)")
+    return problems
+
+
+def test_eval_programs_are_leaves():
+    """Every eval/ program imports only the library and eval/lib; eval/lib imports no program. What two
+    programs share lives in eval/lib (report, timing, tables, policy specs, the tasks), so a program can be
+    read, moved or deleted alone."""
+    modules = _installed_modules()
+    assert any(m.startswith(EVAL_LIB + ".") for m in modules), "eval/lib is not installed"
+    problems = _eval_arrows(modules)
+    assert not problems, "eval/ programs must be leaves:\n" + "\n".join(problems)
+
+
+def test_the_leaf_check_sees_a_program_importing_a_program(tmp_path):
+    """The check above fails on a program importing another (inside a function too) and on eval/lib importing
+    a program; a program importing eval/lib passes."""
+    files = {}
+    for name, text in {"kvjax.eval.demo": "from .lib.report import markdown_table\n\ndef f():\n    from . import sweep\n",
+                       "kvjax.eval.lib.tables": "from ..sweep import accuracy_table\n",
+                       "kvjax.eval.lib.report": "import os\n", "kvjax.eval.sweep": "from .lib import report\n"}.items():
+        files[name] = tmp_path / f"{name}.py"
+        files[name].write_text(text)
+    found = [p.split(": ", 1)[1].split(" (")[0] for p in _eval_arrows(files)]
+    assert found == ["the program kvjax.eval.demo imports the program kvjax.eval.sweep",
+                     "eval/lib's kvjax.eval.lib.tables imports the program kvjax.eval.sweep.accuracy_table"]

@@ -38,3 +38,11 @@ def test_an_evaluation_under_bench_runs_and_says_where_it_moved(ran, capsys):
     run(["bench", "decode", "--quick"])
     assert ran == [("kvjax.eval.perplexity", ["--quick"]), ("kvjax.eval.bench_decode", ["--quick"])]
     assert "now `kvjax eval perplexity-sweep`" in capsys.readouterr().err
+
+
+def test_a_folded_benchmark_runs_under_its_new_name_and_says_so(ran, capsys):
+    run(["bench", "real", "--quick"])
+    run(["bench", "real", "--model", "gemma3-270m"])
+    assert ran == [("kvjax.eval.bench_decode", ["--model", "smollm2-135m", "--quick"]),
+                   ("kvjax.eval.bench_decode", ["--model", "gemma3-270m"])]
+    assert "runs `kvjax bench decode --model smollm2-135m --quick`" in capsys.readouterr().err

@@ -22,5 +22,5 @@ def test_tables_keep_locret_and_the_compared_policies_where_locret_ran(tmp_path)
     table = locret_real.tables(kept)
     assert "512 (1/8)" in table and "| full | 90% |" in table and "5% (n=20)" in table
     paths = locret_real.main(["--sweeps", str(path), "--out", str(tmp_path / "out")])
-    written = open(paths["md"]).read()  # the table, then the load the run saw (eval._report.write_outputs)
+    written = open(paths["md"]).read()  # the table, then the load the run saw (eval.lib.report.write_outputs)
     assert written.startswith(table) and written[len(table):].lstrip().startswith("Load average before/after:")

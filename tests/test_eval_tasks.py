@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.eval import longbench, perplexity, retrieval, sweep
+from kvjax.eval import sweep
+from kvjax.eval.lib import longbench, perplexity, policies, retrieval
+from kvjax.eval.lib.sweep import run_sweep
 from kvjax.tasks import synthetic
 from kvjax.train.build_tiny_model import fast_tokenizer
 
@@ -238,20 +240,20 @@ def test_sweep_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     checkpoint = str(tmp_path / "batches.jsonl")
     kwargs = dict(policies=("full", "streaming"), budgets=(64,), lengths=(512,), tasks=("passkey",), num_samples=4,
                   batch_size=2, latency=False, progress=False, checkpoint=checkpoint)
-    partial = sweep.run_sweep(None, **kwargs, max_batches=1)
+    partial = run_sweep(None, **kwargs, max_batches=1)
     assert calls == [("passkey", ("full", "streaming@64"), 2)]
     assert [(r["policy"], r["samples"], r["accuracy"]) for r in partial["accuracy"]] == [("full", 2, 0.5), ("streaming", 2, 0.5)]
-    first = sweep.run_sweep(None, **kwargs)
+    first = run_sweep(None, **kwargs)
     assert len(calls) == 2 and [(r["samples"], r["accuracy"]) for r in first["accuracy"]] == [(4, 0.5), (4, 0.5)]
 
     def fail(*args, **kw):
         raise AssertionError("a finished batch ran again")
 
     monkeypatch.setattr(retrieval, "answer_shared", fail)
-    again = sweep.run_sweep(None, **kwargs)
+    again = run_sweep(None, **kwargs)
     assert again["accuracy"] == first["accuracy"]
     with pytest.raises(AssertionError, match="ran again"):  # another setting is not taken from the checkpoint
-        sweep.run_sweep(None, **{**kwargs, "num_samples": 8})
+        run_sweep(None, **{**kwargs, "num_samples": 8})
 
 
 def test_sweep_reports_every_task_its_checkpoint_holds(tmp_path, monkeypatch):
@@ -261,8 +263,8 @@ def test_sweep_reports_every_task_its_checkpoint_holds(tmp_path, monkeypatch):
         for key in policies})
     monkeypatch.setattr(retrieval, "task_samples", lambda model, task, n, num, seed, records: list(range(num)))
     kwargs = dict(num_samples=2, batch_size=2, latency=False, progress=False, checkpoint=str(tmp_path / "b.jsonl"))
-    sweep.run_sweep(None, policies=("full", "streaming"), budgets=(64,), lengths=(512,), tasks=("passkey",), **kwargs)
-    later = sweep.run_sweep(None, policies=("full", "h2o"), budgets=(128,), lengths=(1024,), tasks=("multikey",), **kwargs)
+    run_sweep(None, policies=("full", "streaming"), budgets=(64,), lengths=(512,), tasks=("passkey",), **kwargs)
+    later = run_sweep(None, policies=("full", "h2o"), budgets=(128,), lengths=(1024,), tasks=("multikey",), **kwargs)
     cells = {(r["task"], r["length"], r["policy"], r["budget"]): r["accuracy"] for r in later["accuracy"]}
     assert cells == {("passkey", 512, "full", None): 1.0, ("passkey", 512, "streaming", 64): 1.0,
                      ("multikey", 1024, "full", None): 0.0, ("multikey", 1024, "h2o", 128): 0.0}
@@ -272,12 +274,12 @@ def test_sweep_reports_every_task_its_checkpoint_holds(tmp_path, monkeypatch):
 
 
 def test_sweep_policy_specs():
-    quest0 = sweep.build_policy("quest:dense_layers=0", 128, dense_layers=2)
+    quest0 = policies.build_policy("quest:dense_layers=0", 128, dense_layers=2)
     assert (quest0.name, quest0.token_budget, quest0.dense_layers) == ("quest", 128, 0)
-    composed = sweep.build_policy("snapkv+quest", 64, dense_layers=2)
+    composed = policies.build_policy("snapkv+quest", 64, dense_layers=2)
     assert composed.name == "compose" and composed.evict.token_budget == composed.select.token_budget == 64
     with pytest.raises(ValueError, match="no option"):
-        sweep.build_policy("snapkv:nonsense=1", 64)
+        policies.build_policy("snapkv:nonsense=1", 64)
 
 
 def test_default_model_recipe_sets_a_previous_token_head_and_trains():
@@ -325,16 +327,16 @@ def test_default_model_recipe_sets_a_previous_token_head_and_trains():
 def test_trace_needle_mass_and_kept_share(shipped):
     """The traced attention mass is a distribution over the prompt (1 over every position, 0 over none, and
     the last token's mass equals the dense attention's); the full cache keeps every needle token."""
-    from kvjax.eval import trace_needle
+    from kvjax.eval.lib import needles
 
     ids = shipped.tokenizer("the pass key is 1 2 3 . remember it . what is the pass key ?")["input_ids"]
-    everything = trace_needle.needle_attention(shipped, ids, np.arange(len(ids)))
+    everything = needles.needle_attention(shipped, ids, np.arange(len(ids)))
     np.testing.assert_allclose(everything, 1.0, atol=1e-5)
     assert everything.shape == (shipped.cfg.num_layers, shipped.cfg.num_heads)
-    first = trace_needle.needle_attention(shipped, ids, np.arange(3))
+    first = needles.needle_attention(shipped, ids, np.arange(3))
     assert (first >= 0).all() and (first <= 1).all() and not np.allclose(first, first.mean())
     state, _ = kvjax.prefill(shipped, [ids], kvjax.make_policy("full"))
-    np.testing.assert_array_equal(trace_needle.kept_share(state, np.arange(3, 6)), 1.0)
+    np.testing.assert_array_equal(needles.kept_share(state, np.arange(3, 6)), 1.0)
     state, _ = kvjax.prefill(shipped, [ids], kvjax.make_policy("streaming", token_budget=8, sink_size=2))
-    share = trace_needle.kept_share(state, np.arange(3, 6))
+    share = needles.kept_share(state, np.arange(3, 6))
     np.testing.assert_array_equal(share, 0.0)  # neither among the 2 sinks nor the 6 most recent

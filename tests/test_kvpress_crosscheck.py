@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from kvjax.eval.kvpress_crosscheck import DIFFERS, PAIRS, VENV, crosscheck
+from kvjax.eval.kvpress_crosscheck import DIFFERS, PAIRS, crosscheck
+from kvjax.eval.lib.crosscheck import VENV
 
 PYTHON = os.environ.get("KVPRESS_PYTHON", os.path.join(os.path.dirname(__file__), "..", VENV, "bin", "python"))
 

@@ -13,7 +13,7 @@ from kvjax.cache.compaction import kept_positions
 from kvjax.engine.api import dense_forward
 from kvjax.engine.reconstruction import instruction_ids, repeat_feeds
 from kvjax.engine.step import layer_view
-from kvjax.eval.kvpress_crosscheck import VENV
+from kvjax.eval.lib.crosscheck import VENV
 
 PYTHON = os.environ.get("KVPRESS_PYTHON", os.path.join(os.path.dirname(__file__), "..", VENV, "bin", "python"))
 ROWS = [np.random.default_rng(0).integers(3, 120, 90).tolist(), np.random.default_rng(1).integers(3, 120, 61).tolist()]
@@ -100,7 +100,7 @@ def test_options_and_shared_prefill_refusal(tiny):
 
     with pytest.raises(ValueError, match="kvzip.*prefill it on its own"):
         shared_prefill(tiny, ROWS, [kvjax.make_policy("kvzip")], reserve_tokens=4)
-    from kvjax.eval import retrieval
+    from kvjax.eval.lib import retrieval
 
     assert retrieval.compresses_in_prefill(kvjax.make_policy("kvzip"))  # the sweep prefills it on its own
 

@@ -70,7 +70,7 @@ def test_committed_results_carry_no_absolute_machine_path():
 
 
 def test_every_written_result_records_the_load(tmp_path):
-    from kvjax.eval._report import write_outputs
+    from kvjax.eval.lib.report import write_outputs
 
     payload = {"rows": []}
     paths = write_outputs(str(tmp_path), "x", payload, "| a |\n|---|\n")

@@ -1,8 +1,8 @@
-"""The selection aim's judge (`eval.selection_aim`): pooling independent sweeps and the verdicts."""
+"""The selection aim's judge (`eval.lib.selection_aim`): pooling independent sweeps and the verdicts."""
 
 import pytest
 
-from eval import selection_aim
+from kvjax.eval.lib import selection_aim
 
 
 def _sweep(seed, rows):

@@ -1,4 +1,4 @@
-"""The benchmarks' one decode timer (`eval._timing`): it decodes what `generate` decodes, times the compiling
+"""The benchmarks' one decode timer (`eval.lib.timing`): it decodes what `generate` decodes, times the compiling
 first step apart, and visits runs round-robin."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 import kvjax
 from conftest import random_tokens
-from kvjax.eval import _timing
+from kvjax.eval.lib import timing
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def tiny_model():
 def test_a_decode_run_steps_the_model_greedily_and_times_each_step(tiny_model):
     prompt = random_tokens(3, (2, 40), tiny_model.cfg.vocab_size)
     policy = kvjax.make_policy("quest", token_budget=32, dense_layers=1)
-    run = _timing.DecodeRun.prefilled(tiny_model, prompt, policy, max_new_tokens=8)
+    run = timing.DecodeRun.prefilled(tiny_model, prompt, policy, max_new_tokens=8)
     result = run.run(4)
     want = kvjax.generate(tiny_model, prompt, 5, policy)
     np.testing.assert_array_equal(np.stack(run.tokens, axis=1), np.asarray(want)[:, :5])
@@ -39,10 +39,10 @@ def test_round_robin_visits_every_run_once_per_step():
         def result(self):
             return self.name
 
-    assert _timing.round_robin([Run("a"), Run("b")], 3) == ["a", "b"]
+    assert timing.round_robin([Run("a"), Run("b")], 3) == ["a", "b"]
     assert order == ["a", "b"] * 3
 
 
 def test_the_large_read_reports_the_faster_library():
-    read = _timing.large_read(4 * 2**20, repeats=3, warmup=1)
+    read = timing.large_read(4 * 2**20, repeats=3, warmup=1)
     assert read["bytes"] == 4 * 2**20 and read["gbps"] == read["median_gbps"] > 0

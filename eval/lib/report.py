@@ -1,4 +1,4 @@
-"""Shared output plumbing for benchmarks: JSON, a Markdown table and the machine they ran on."""
+"""Output plumbing the programs share: JSON, a Markdown table, the machine they ran on and its load."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 
 RESULTS_ROOT = "kvjax-results"  # benchmarks write under ./kvjax-results/<name> unless told --out DIR
+RUN_KIND = "kvjax-suite-run"  # the suite's run.json "kind" (eval/suite.py writes it, eval/compare.py checks it)
 
 
 def default_out(name: str) -> str:
@@ -71,6 +72,18 @@ def write_outputs(out_dir: str, name: str, payload: dict, table_md: str) -> dict
     return paths
 
 
+def write_and_print(out: str, name: str, result: dict, text: str, plot_result=None) -> dict:
+    """`write_outputs` (JSON and Markdown, and a plot when `plot_result(result, path)` is given), then print the
+    table and the paths."""
+    paths = write_outputs(out, name, result, text)
+    if plot_result is not None:
+        paths["png"] = plot_result(result, os.path.join(out, f"{name}.png"))
+    with open(paths["md"]) as f:
+        print(f.read())
+    print(json.dumps(paths))
+    return paths
+
+
 # --- the large read and device tags, shared by the suite and the comparison (eval/suite.py, eval/compare.py) ---
 
 def last_level_cache_bytes() -> int | None:
@@ -91,8 +104,8 @@ def last_level_cache_bytes() -> int | None:
 
 
 def measure_large_read(num_bytes: int, repeats: int = 7, warmup: int = 2) -> dict[str, Any]:
-    """The default device's read bandwidth (`eval._timing.large_read`, jax only)."""
-    from ._timing import large_read
+    """The default device's read bandwidth (`eval.lib.timing.large_read`, jax only)."""
+    from .timing import large_read
 
     return large_read(num_bytes, repeats, warmup)
 

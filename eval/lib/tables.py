@@ -1,13 +1,11 @@
-"""Renderers for the README's and docs' tables whose program writes no table of that shape itself.
+"""Renderers of the README's and docs' tables whose program writes no table of that shape itself.
 
-Each function takes the committed JSON (a list of them where a block names several paths, comma-separated)
-and returns the Markdown the block holds, ending with the run's load: `<!-- render eval._tables:dispatch
-eval/results/dispatch/bench_dispatch.json -->` (eval/_render.py). A run that did not record its load says so.
-"""
+Each takes the committed JSON (a list where a block names several paths) and returns the block's Markdown,
+ending with the run's load: `<!-- render eval.lib.tables:dispatch eval/results/dispatch/bench_dispatch.json -->`."""
 
 from __future__ import annotations
 
-from ._report import load_line, markdown_table
+from .report import load_line, markdown_table
 
 
 def same_cell(results: list, row: dict, policy: str, kv_dtype: str | None = None) -> dict | None:
@@ -193,13 +191,6 @@ def locret_real_summary(payload: dict) -> str:
         f"\nFrom the sweeps {', '.join(payload['sweeps'])}.\n"
 
 
-def demo(payload: dict) -> str:
-    """`kvjax demo --json`: the demo's own table, with the load it ran under."""
-    from .demo import demo_table
-
-    return demo_table(payload).strip() + f" {load_line(payload)}\n"
-
-
 def attention(payload: dict) -> str:
     """`kvjax bench attention --components --row-groups 1 2 4`: dense paged decode against Quest at budgets
     512 and 2048, per query head and (a row of its own) per kv head."""
@@ -277,52 +268,10 @@ def locret_kvzip_training(payload: dict) -> str:
             f"{[round(x, 1) for x in load['after']]}.\n")
 
 
-def _recorded_load(payload: dict) -> str:
+def recorded_load(payload: dict) -> str:
     """The load line where the run recorded its load; nothing where it did not."""
     line = load_line(payload)
     return "" if line.startswith("Load: not recorded") else f"\n{line}\n"
-
-
-def _sweep_block(task: str, length: int):
-    """A renderer of one (task, length) block of a sweep JSON: `eval.sweep.accuracy_table`'s block, with the
-    policies that ran there (a sweep's JSON holds several tasks and lengths; the docs discuss each apart)."""
-
-    def render(result: dict) -> str:
-        from .sweep import accuracy_table
-
-        ran = {r["policy"] for r in result["accuracy"] if (r["task"], r["length"]) == (task, length)}
-        one = {**result, "tasks": [task], "lengths": [length], "latency": None,
-               "policies": [p for p in result["policies"] if p in ran]}
-        return accuracy_table(one) + "\n" + _recorded_load(result)
-
-    render.__doc__ = f"`eval.sweep`: accuracy of every policy and budget on {task} at {length} tokens."
-    return render
-
-
-sweep_passkey_2k = _sweep_block("real_passkey", 2048)
-sweep_needle_2k = _sweep_block("niah_single", 2048)
-sweep_passkey_4k = _sweep_block("real_passkey", 4096)
-sweep_needle_4k = _sweep_block("niah_single", 4096)
-sweep_passkey_8k = _sweep_block("real_passkey", 8000)
-sweep_needle_8k = _sweep_block("niah_single", 8000)
-sweep_multikey_2k = _sweep_block("niah_multikey", 2048)
-sweep_multikey_4k = _sweep_block("niah_multikey", 4096)
-sweep_multivalue_2k = _sweep_block("niah_multivalue", 2048)
-sweep_multivalue_4k = _sweep_block("niah_multivalue", 4096)
-
-
-def depths_passkey_4k(payload: dict) -> str:
-    """`python -m eval.depths`: accuracy by needle depth, the passkey at 4K."""
-    from .depths import depth_table
-
-    return depth_table(payload, "real_passkey", 4096) + "\n" + _recorded_load(payload)
-
-
-def selection_trace(payload: dict) -> str:
-    """`python -m eval.trace_selection`: the program's table of each traced sample, with the run's load."""
-    from .trace_selection import trace_table
-
-    return "\n".join(trace_table(r) for r in payload["results"]) + "\n" + _recorded_load(payload)
 
 
 def attention_stages(payload: dict, model: str = "Llama-2-7B", context: int = 32768, budget: int = 2048) -> str:
@@ -417,7 +366,7 @@ def aux_recall(payload: dict) -> str:
     tuning, at the training's share recomputed."""
     rows = [[label, f"{payload[key]['selection_recall']:.2f}", f"{payload[key]['straddler_recall']:.2f}"]
             for label, key in (("before tuning", "recall_before"), ("after tuning", "recall_after"))]
-    return markdown_table(["", "selection recall", "straddler recall"], rows) + "\n" + _recorded_load(payload)
+    return markdown_table(["", "selection recall", "straddler recall"], rows) + "\n" + recorded_load(payload)
 
 
 def suite_times(payload: dict) -> str:

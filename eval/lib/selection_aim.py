@@ -1,6 +1,6 @@
 """The selection aim judged from committed sweeps: at each (task, length), every selector's accuracy at
 budgets 128 and 256 as a share of full attention's, against the aim (90% of full at 128, 95% at 256) and
-against the page oracle at the same budget.
+against the page oracle at the same budget (`<!-- render eval.lib.selection_aim a.json,b.json -->`).
 
 Sweeps of the same cells with different seeds (independent samples) are pooled: accuracy weighted by
 samples. Sweeps with the same seed share text windows, so pool only different seeds (`pooled` refuses
@@ -8,6 +8,8 @@ the same seed twice for a cell).
 """
 
 from __future__ import annotations
+
+from .report import markdown_table
 
 AIM = {128: 0.90, 256: 0.95}
 ORACLE = "oracle_page:dense_layers=2"
@@ -53,8 +55,6 @@ def aim_rows(results: list, budgets=(128, 256)) -> list[dict]:
 
 def render(results) -> str:
     """The aim table (`a.json,b.json` of the renderer hands a list; one sweep alone is a list of one)."""
-    from ._report import markdown_table
-
     results = results if isinstance(results, list) else [results]
     table = []
     for r in aim_rows(results):
