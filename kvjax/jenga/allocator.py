@@ -475,6 +475,32 @@ class JengaAllocator:
             raise
         return Allocation({s.name: tuple(p) for s, p in zip(self.specs, pages)})
 
+    def share(self, request_id: str, pages: Mapping[str, Sequence[int]]) -> None:
+        """Starts request `request_id` with the table of each named group beginning with `pages`: small pages
+        live requests hold (a saved document's read-only pages, `kvjax.serving.batch_engine`), referenced and
+        not copied, freed when the last request holding them is. Its `reserve` then counts them in `blocks`."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} exists already: share starts a request")
+        groups = [self.layout.group_index(name) for name in pages]
+        for group, (name, shared) in zip(groups, pages.items()):
+            dead = [p for p in shared if p < 0 or self._pool.refcount[group][p] <= 0]
+            if dead:
+                raise ValueError(f"request {request_id!r}: pages {dead} of group {name!r} are not held by a live "
+                                 "request; only live pages are shared")
+        journal = self._journal
+        journal.begin()
+        try:
+            request = self._create_request(request_id, None)
+            for group, shared in zip(groups, pages.values()):
+                for page in shared:
+                    self._pool.incref(group, page)
+                self._extend_table(request, group, list(shared))
+            journal.commit()
+        except BaseException:
+            if journal.is_open:
+                journal.rollback()
+            raise
+
     def register_prefix(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Offers the request's pages of `token_ids` (the tokens its first pages hold, whole blocks of them)
         to the prefix cache, in every positional group that caches: once the request is freed they stay,

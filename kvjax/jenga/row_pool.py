@@ -132,12 +132,25 @@ class RowPool:
 
     def shared(self, hit: PrefixHit | None, max_pages: int) -> np.ndarray:
         """bool[L, H, P]: the logical pages a row starting with `hit` shares rather than copies."""
+        if hit is None:
+            return self.first_blocks({}, max_pages)
+        return self.first_blocks({s.name: hit.num_tokens // s.tokens_per_page for s in self.specs
+                                  if s.is_positional and s.caches_prefix}, max_pages)
+
+    def first_blocks(self, blocks: dict[str, int], max_pages: int) -> np.ndarray:
+        """bool[L, H, P]: the first `blocks[group]` logical pages of each group's members."""
         out = np.zeros((self.cfg.num_layers, self.heads, max_pages), bool)
-        if hit is not None:
-            for spec, members in zip(self.specs, self.members):
-                if spec.is_positional and spec.caches_prefix:
-                    out[members[:, 0], members[:, 1], : hit.num_tokens // spec.tokens_per_page] = True
+        for spec, members in zip(self.specs, self.members):
+            out[members[:, 0], members[:, 1], : blocks.get(spec.name, 0)] = True
         return out
+
+    def whole_blocks(self, lengths: np.ndarray, rewritten: np.ndarray) -> dict[str, int]:
+        """Small pages per group that rows continuing one state of `lengths int[L, H]` slots may read from
+        one copy: each member's whole pages (the partial last page takes the next token), none in a group
+        with a layer whose slots a decode step rewrites (`rewritten bool[L]`)."""
+        whole = lengths // self.page_size
+        return {s.name: 0 if rewritten[m[:, 0]].any() else int(whole[m[:, 0], m[:, 1]].min())
+                for s, m in zip(self.specs, self.members)}
 
     def device_page_count(self, blocks: dict[str, int]) -> int:
         """Device pages of `blocks` small pages per group."""

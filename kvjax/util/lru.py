@@ -14,7 +14,8 @@ class BytesLRU:
     """`key -> value` with each entry's size in bytes; inserting past `max_bytes` drops least recently used
     entries (a `get` or a repeated `put` counts as a use). An entry alone larger than the budget is not
     kept. Keys of different users sharing one LRU must not collide (prefix them). With a `disk` tier, entries
-    evicted from memory are written there and a `get` that misses memory reads them back."""
+    evicted from memory are written there and a `get` that misses memory reads them back. A `pin`ned entry
+    stays in memory until unpinned (the bytes may then exceed the budget, until the next unpin or put)."""
 
     def __init__(self, max_bytes: int, disk: DiskTier | None = None):
         if max_bytes < 0:
@@ -24,6 +25,7 @@ class BytesLRU:
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
         self.bytes = 0
         self.evicted = 0
+        self._pins: dict[Hashable, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -59,13 +61,36 @@ class BytesLRU:
             return self.disk is not None and self.disk.put(key, value, size)
         self._entries[key] = (value, size)
         self.bytes += size
+        self._evict()
+        return True
+
+    def _evict(self) -> None:
+        """Drop least recently used unpinned entries (to the disk tier, if any) until within the budget."""
         while self.bytes > self.max_bytes:
-            dropped_key, (dropped_value, dropped) = self._entries.popitem(last=False)
+            dropped_key = next((k for k in self._entries if k not in self._pins), None)
+            if dropped_key is None:
+                return
+            dropped_value, dropped = self._entries.pop(dropped_key)
             self.bytes -= dropped
             self.evicted += 1
             if self.disk is not None:
                 self.disk.put(dropped_key, dropped_value, dropped)
+
+    def pin(self, key: Hashable) -> bool:
+        """Keep `key`'s entry in memory, not evicted, until as many `unpin`s (a saved document while requests
+        read it). False, and nothing pinned, when the entry is not in memory."""
+        if key not in self._entries:
+            return False
+        self._pins[key] = self._pins.get(key, 0) + 1
         return True
+
+    def unpin(self, key: Hashable) -> None:
+        """Undo one `pin`; the last one lets the entry be evicted again (at once when over the budget)."""
+        if self._pins.get(key, 0) <= 1:
+            self._pins.pop(key, None)
+            self._evict()
+        else:
+            self._pins[key] -= 1
 
     def remove_if(self, predicate) -> None:
         """Drop every entry whose key satisfies `predicate`."""
