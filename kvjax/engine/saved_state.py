@@ -499,6 +499,18 @@ def question_fed(model: Model, saved: SavedState, question_ids: Sequence[int] | 
     sequence, or one per sequence) fed by decode, as `generate(..., decode_last=N)` feeds a prompt's last N
     tokens. The saved state is not changed. Raises `CacheCapacityError` before any work when the question
     and `max_new_tokens` more need more than the state's room."""
+    rows = question_rows(model, saved, question_ids, max_new_tokens)
+    state = jax.tree.map(jnp.copy, saved.state)  # decode donates its state: the saved one serves many questions
+    logits = saved.logits
+    if logits is None:
+        logits = saved.backend.put(np.zeros((len(rows), model.cfg.vocab_size), np.float32))
+    return feed_tokens(model, state, logits, rows, saved.policy, saved.backend)
+
+
+def question_rows(model: Model, saved: SavedState, question_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+                  max_new_tokens: int = 0) -> list[np.ndarray]:
+    """`question_ids` as one `int32[T]` row per held sequence (`held_rows`), checked as `question_fed` checks
+    them (vocabulary, one row per sequence, a question where no logits were saved, the state's room)."""
     B = saved.header["batch"]
     held = held_rows(saved)
     rows = list(question_ids)
@@ -516,9 +528,7 @@ def question_fed(model: Model, saved: SavedState, question_ids: Sequence[int] | 
             f"a question of {needed - max_new_tokens} tokens and {max_new_tokens} new tokens need room for {needed} "
             f"tokens, the loaded state has room for {saved.room}; load it with extra_tokens={needed}",
             pages_for(needed, saved.state.page_size), pages_for(saved.room, saved.state.page_size))
-    state = jax.tree.map(jnp.copy, saved.state)  # decode donates its state: the saved one serves many questions
-    logits = saved.backend.put(np.zeros((held, model.cfg.vocab_size), np.float32)) if saved.logits is None else saved.logits
-    return feed_tokens(model, state, logits, rows, saved.policy, saved.backend)
+    return rows
 
 
 def generate_from_state(model: Model, saved: SavedState, question_ids: Sequence[int] | Sequence[Sequence[int]] = (),
@@ -539,4 +549,4 @@ def held_rows(saved: SavedState) -> int:
 
 
 __all__ = ["SavedState", "SavedStateError", "generate_from_state", "held_rows", "load_state", "model_identity",
-           "policy_from_spec", "policy_spec", "question_fed", "read_header", "save_state"]
+           "policy_from_spec", "policy_spec", "question_fed", "question_rows", "read_header", "save_state"]

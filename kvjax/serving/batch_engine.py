@@ -8,12 +8,13 @@ import functools
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.engine.decode import decode_plans
 from kvjax.engine.decode_loop import decode_steps
 from kvjax.engine.generation import (
     DEFAULT_CHUNK_SIZE,
@@ -36,7 +37,7 @@ from kvjax.serving.memory import MemorySample, sample_memory
 from kvjax.serving.prefix_states import PrefixStates, chunk_boundaries
 from kvjax.engine.sampling import sample_first_tokens, validate_sampling
 from kvjax.cache.state import CacheCapacityError, KVState, pages_for
-from kvjax.engine.step import LOCAL_BACKEND, StepBackend
+from kvjax.engine.step import LOCAL_BACKEND, StepBackend, layer_segments
 
 
 @dataclass(eq=False)
@@ -44,7 +45,7 @@ class BatchRequest:
     """A request and, as it runs, its output: `tokens` (EOS included when one ended it), their `logprobs`,
     and `finish_reason` ("stop": an EOS token, "length": `max_new_tokens`, "abort": `on_tokens` asked to
     stop, "error": the request could not be served, `error` says why) once finished. `on_tokens(request, new_tokens: list[int])` is called after every dispatch that
-    gave the request tokens; returning True ends it."""
+    gave the request tokens; returning True ends it. `on_finished(request)` is called once, when it finishes."""
 
     request_id: str
     prompt: np.ndarray
@@ -57,6 +58,7 @@ class BatchRequest:
     eos: tuple[int, ...] = ()
     decode_last: int = 0
     on_tokens: Callable[["BatchRequest", list[int]], bool | None] | None = None
+    on_finished: Callable[["BatchRequest"], None] | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -74,15 +76,28 @@ class BatchRequest:
 
 @dataclass(eq=False)
 class _Prefilled:
-    """A request prefilled on its own, waiting for a row: its one-sequence state and sampling carry."""
+    """A request prefilled on its own, waiting for a row: its one-sequence state and sampling carry; or a
+    question on a shared read-only state (`document`), fed in its row before its first token is sampled."""
 
     request: BatchRequest
     state: KVState
     logits: jax.Array  # f32[1, V] after the prompt (and decode tail)
-    pending: int  # the first sampled token, not yet appended
-    key: jax.Array  # the request's PRNG key after the first split
+    pending: int  # the first sampled token, not yet appended (-1 while a question waits to be fed)
+    key: jax.Array | None  # the request's PRNG key after the first split (None while a question waits)
     long_rope: bool
     prefix: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32[T] the prompt's whole chunks
+    question: np.ndarray | None = None  # int32[T] fed in the row (`submit_question`)
+    document: Hashable | None = None  # rows on one `document` read its whole pages from one copy
+
+
+@dataclass(eq=False)
+class _Document:
+    """A read-only state rows of one batch read from one copy in its pool: per group, the small pages of its
+    whole pages (the first of the table of the row that placed them; each reader's table starts with them,
+    refcounted by the allocator), and the requests reading them."""
+
+    blocks: dict[str, tuple[int, ...]]
+    readers: set[str]
 
 
 def row_pages(cfg, capacity: int, page_size: int) -> int:
@@ -91,6 +106,18 @@ def row_pages(cfg, capacity: int, page_size: int) -> int:
     its window; its prefill ran on its own state). Summed over layers and kv heads: what the default pool
     holds per row."""
     return cfg.num_kv_heads * sum(pages_for(min(w, capacity) if w else capacity, page_size) for w in cfg.windows)
+
+
+def rewritten_layers(cfg, policy: Policy, state: KVState, holes: np.ndarray) -> np.ndarray:
+    """bool[L]: layers whose existing slots a decode step under `policy` may rewrite besides appending
+    (`decode_plans`: a decode-time evictor's or an accumulating scorer's (H2O's) compressed layers, sliding
+    windows), or where `state` has an eviction hole (`holes int[L, ...]`: the next token fills it). Rows
+    continuing one state read their own copies of those layers' pages, never shared ones."""
+    plans = decode_plans(policy, layer_segments(policy, state, cfg.num_layers, cfg.windows), cfg.windows)
+    out = np.zeros(cfg.num_layers, bool)
+    for plan in plans:
+        out[plan.start: plan.stop] = bool(plan.sliding or plan.accumulate or plan.evict)
+    return out | (holes.reshape(cfg.num_layers, -1) >= 0).any(axis=1)
 
 
 class _Batch:
@@ -120,6 +147,7 @@ class _Batch:
         self.pending = np.zeros(R, np.int32)
         self.keys = jnp.zeros((R, 2), jnp.uint32)
         self.rows: list[BatchRequest | None] = [None] * R
+        self.documents: dict[Hashable, _Document] = {}  # shared read-only states rows read (`submit_question`)
 
     def free_row(self) -> int | None:
         return next((i for i, r in enumerate(self.rows) if r is None), None)
@@ -218,7 +246,7 @@ class BatchEngine:
         self._turn = 0
         self.dispatches = 0
         self.leaked_pages = 0  # device pages a dropped batch's pool still held for requests
-        self.shared_pages = 0  # device pages rows did not copy: their prefix was in their batch's pool
+        self.shared_pages = 0  # device pages rows did not copy: their prefix or document was in their batch's pool
         self.shared_rows = 0  # rows that found their prefix in their batch's pool (prefix hits)
 
     # ------------------------------------------------------------------------------------------ requests
@@ -257,6 +285,41 @@ class BatchEngine:
         a batch with `policy`'s decode-time roles (default full). Its page table may be narrower than the
         engine's capacity, not wider. On a mesh the state is stacked where the engine's states live (each head
         shard's pages on its own pool: `kvjax.load_state(..., backend=engine.backend)`)."""
+        request = self._prefilled_request(state, max_new_tokens, policy, temperature, top_k, top_p, seed, eos_token_id,
+                                          on_tokens, request_id)
+        self._sample_first(request, state, jnp.asarray(logits, jnp.float32).reshape(1, -1), state.long_rope)
+        return request.request_id
+
+    def submit_question(self, state: KVState, logits, question_ids, max_new_tokens: int = 16,
+                        policy: Policy | None = None, *, document: Hashable, temperature: float = 0.0, top_k: int = 0,
+                        top_p: float = 1.0, seed: int = 0, eos_token_id=None, on_tokens: Callable | None = None,
+                        on_finished: Callable | None = None, request_id: str | None = None) -> str:
+        """Queue a question on a read-only one-sequence `state` (as `submit_prefilled`'s; a saved document,
+        `kvjax.serving.saved_documents`) that requests name by one `document` key: `question_ids` are fed by
+        decode in the request's row, then it is answered as `submit_prefilled`'s request. Rows of a batch on
+        one document read its whole pages from one copy in the pool, placed by the first of them and freed
+        with the last; each copies only the pages it writes (each head's partial last page, and every page
+        of a layer whose slots decode rewrites: `rewritten_layers`). `state` is neither changed nor donated;
+        `logits f32[1, V]` (None: zeros, with a question to feed). `on_finished(request)`: `BatchRequest`'s."""
+        question = np.asarray(question_ids, np.int32).reshape(-1)
+        if logits is None and not len(question):
+            raise ValueError("submit_question needs a question to feed when the state comes without logits")
+        lengths = self._over_shards(self.backend.fetch(state.lengths))
+        if int(lengths.max()) + len(question) + max_new_tokens > self.capacity:
+            raise ValueError(f"a state of {int(lengths.max())} slots per head, a question of {len(question)} tokens "
+                             f"and {max_new_tokens} new tokens exceed the engine's capacity of {self.capacity}")
+        request = self._prefilled_request(state, max_new_tokens, policy, temperature, top_k, top_p, seed, eos_token_id,
+                                          on_tokens, request_id, on_finished)
+        logits = (jnp.zeros((1, self.model.cfg.vocab_size), jnp.float32) if logits is None
+                  else jnp.asarray(logits, jnp.float32).reshape(1, -1))
+        self.ready.append(_Prefilled(request, state, logits, -1, None, state.long_rope, question=question,
+                                     document=document))
+        return request.request_id
+
+    def _prefilled_request(self, state: KVState, max_new_tokens: int, policy: Policy | None, temperature: float,
+                           top_k: int, top_p: float, seed: int, eos_token_id, on_tokens: Callable | None,
+                           request_id: str | None, on_finished: Callable | None = None) -> BatchRequest:
+        """The checked and registered request of `submit_prefilled` or `submit_question` for `state`."""
         stacked = state.page_table.ndim == 6  # [Sd, Sm, L, B, H, P]: a mesh's stacked state
         if stacked != self.backend.placement.sharded:
             raise ValueError(
@@ -271,12 +334,13 @@ class BatchEngine:
         validate_sampling(temperature, top_k, top_p)
         eos = self.model.eos_token_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
         request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         request = BatchRequest(request_id, np.zeros(0, np.int32), max_new_tokens, policy_or_full(policy),
                                float(temperature), int(top_k), float(top_p), int(seed), tuple(int(e) for e in eos),
-                               0, on_tokens)
+                               0, on_tokens, on_finished)
         self.requests[request_id] = request
-        self._sample_first(request, state, jnp.asarray(logits, jnp.float32).reshape(1, -1), state.long_rope)
-        return request_id
+        return request
 
     @property
     def has_work(self) -> bool:
@@ -362,14 +426,19 @@ class BatchEngine:
                       prefix: np.ndarray | None = None) -> None:
         """The first token from the prefill's logits (as `generate` samples it); the request then waits for a
         row unless that token ended it."""
-        key, step_key = jax.random.split(jax.random.PRNGKey(request.seed))
-        token, logprob = sample_first_tokens(logits, step_key, temperature=request.temperature, top_k=request.top_k,
-                                             top_p=request.top_p)
-        first = int(token[0])
-        if self._emit(request, [first], [float(logprob[0])]):
+        first, logprob, key = self._first_token(request, logits)
+        if self._emit(request, [first], [logprob]):
             return
         self.ready.append(_Prefilled(request, state, logits, first, key, long_rope,
                                      np.zeros(0, np.int32) if prefix is None else np.asarray(prefix)))
+
+    def _first_token(self, request: BatchRequest, logits: jax.Array) -> tuple[int, float, jax.Array]:
+        """The request's first token sampled from `logits f32[1, V]` as `generate` samples it, its log-prob,
+        and the request's PRNG key after."""
+        key, step_key = jax.random.split(jax.random.PRNGKey(request.seed))
+        token, logprob = sample_first_tokens(logits, step_key, temperature=request.temperature, top_k=request.top_k,
+                                             top_p=request.top_p)
+        return int(token[0]), float(logprob[0]), key
 
     def _insert_ready(self) -> None:
         """Put prefilled requests into free rows of their batch, on pages its pool has room for now (a
@@ -387,71 +456,125 @@ class BatchEngine:
             if slot is None or not self._place(batch, slot, item):
                 still.append(item)
                 continue
+            if item.question is not None:
+                self._feed_question(batch, slot, item)
+                continue
             batch.logits = batch.logits.at[slot].set(item.logits[0])
             batch.pending[slot] = item.pending
             batch.keys = batch.keys.at[slot].set(item.key)
             batch.rows[slot] = item.request
         self.ready = still
 
+    def _over_shards(self, array: np.ndarray, reduce=np.max) -> np.ndarray:
+        """A fetched per-head array `[..., L, B, H]` (on a mesh `[Sd, Sm, L, b, h]`) as `[L, B, H]`, its shards
+        (all placed alike) reduced by `reduce`: the most (or least) any shard's head there holds."""
+        return reduce(array.reshape((-1,) + array.shape[-3:]), axis=0)
+
     def _held_pages(self, state: KVState) -> np.ndarray:
         """int[L, H]: logical pages each (layer, kv head) of a one-sequence state holds (on a mesh: the most
         any shard's head there holds)."""
         table = self.backend.fetch(state.page_table)  # [..., L, 1, H, P]
-        held = (table >= 0).sum(axis=-1)[..., 0, :]
-        return held.reshape((-1,) + held.shape[-2:]).max(axis=0)
+        return self._over_shards((table >= 0).sum(axis=-1))[:, 0]
 
     def _place(self, batch: _Batch, slot: int, item: _Prefilled) -> bool:
         """Take pages for `item` from `batch.pool` and put it into row `slot`; False when the pool has no
-        room for it now."""
+        room for it now. A question's row on a document already in the pool starts its table with the
+        document's whole pages (shared, not copied); the first row on it copies them in for the others."""
         pool, rid, P = batch.pool, item.request.request_id, batch.tables.shape[-1]
         hit = pool.hit(item.prefix, self.chunk_size)
         held = np.minimum(self._held_pages(item.state), P)
-        if not self._room_to_finish(batch, item, held, hit):
+        document = None if item.document is None else batch.documents.get(item.document)
+        reused = pool.hit_blocks(hit) if document is None else {g: len(p) for g, p in document.blocks.items()}
+        if not self._room_to_finish(batch, item, held, reused):
             return False
+        if item.question is not None:  # the question's pages, placed ahead of its feed
+            lengths = self._over_shards(self.backend.fetch(item.state.lengths))
+            ahead = pool.pages_ahead(lengths, np.array([len(item.question)]), item.state.read_pages, P)[:, 0]
+            held = np.maximum(held, ahead)
         try:
+            if document is not None:
+                pool.allocator.share(rid, document.blocks)
             placed = pool.allocator.reserve(rid, pool.blocks(held), hit)
         except RequestTooLargeError:
-            return False  # `step` reports it when nothing live can make room
+            placed = None  # `step` reports it when nothing live can make room
         if placed is None:
+            pool.allocator.free(rid)
             return False
         table = pool.table(rid, P)
-        shared = pool.shared(hit, P)
+        if item.document is None:
+            copy = ~pool.shared(hit, P)
+        elif document is None:  # the first row on the document: its whole pages copied in, for the others too
+            lengths = self._over_shards(self.backend.fetch(item.state.lengths), np.min)[:, 0]
+            holes = self._over_shards(self.backend.fetch(item.state.hole))
+            blocks = pool.whole_blocks(lengths, rewritten_layers(self.model.cfg, batch.policy, item.state, holes))
+            tables = pool.allocator.block_tables(rid)
+            document = batch.documents[item.document] = _Document({g: tables[g][:n] for g, n in blocks.items()}, set())
+            copy = np.ones_like(table, bool)
+        else:
+            copy = ~pool.first_blocks(reused, P)
+        if document is not None:
+            document.readers.add(rid)
         fresh = [pool.device_pages(g, pages) for g, pages in enumerate(placed.new_pages.values())]
         batch.widen_reads(item.state.read_pages)
         # the row's own read bounds are static data: dropped, so one program places every row
         batch.state = self._place_row(batch.state, item.state.replace(read_pages=None), jnp.int32(slot),
-                                      jnp.asarray(table), jnp.asarray(~shared), _padded(fresh, pool.num_pages))
+                                      jnp.asarray(table), jnp.asarray(copy), _padded(fresh, pool.num_pages))
         batch.tables[:, slot] = table
-        self.shared_pages += int(shared.sum()) * self.model.cfg.num_kv_heads // table.shape[1]
+        self.shared_pages += int((~copy).sum()) * self.model.cfg.num_kv_heads // table.shape[1]
         self.shared_rows += hit is not None
         if len(item.prefix):
             pool.allocator.register_prefix(rid, item.prefix)
         return True
 
-    def _room_to_finish(self, batch: _Batch, item: _Prefilled, held: np.ndarray, hit) -> bool:
-        """Whether the pool can hold `item` (holding `held int[L, H]` pages, sharing `hit`'s) and every live
-        row of `batch` up to their last tokens: a row joins only then, so rows never run out of pages
-        mid-decode (no preemption). Counted in device pages, a large page per group kept for rounding."""
+    def _feed_question(self, batch: _Batch, slot: int, item: _Prefilled) -> None:
+        """Feed the question of `item`, placed in row `slot` on pages placed ahead for it, by decode steps of
+        the batch in which no other row appends; then sample its first token from the logits after it."""
+        rows = [item.question if row == slot else np.zeros(0, np.int32) for row in range(self.max_rows)]
+        logits = batch.logits.at[slot].set(item.logits[0])
+        batch.state, batch.logits = feed_tokens(self.model, batch.state, logits, rows, batch.policy, self.backend)
+        first, logprob, key = self._first_token(item.request, batch.logits[slot][None])
+        batch.pending[slot] = first
+        batch.keys = batch.keys.at[slot].set(key)
+        batch.rows[slot] = item.request
+        if self._emit(item.request, [first], [logprob]):
+            self._release_row(batch, slot)
+
+    def _release_row(self, batch: _Batch, slot: int) -> None:
+        """Empty row `slot` of `batch`, its request finished: its pages back to the pool (shared ones once
+        their last reader goes) and its place among a document's readers."""
+        request_id = batch.rows[slot].request_id
+        batch.state = self._clear_row(batch.state, jnp.int32(slot))
+        batch.tables[:, slot] = -1
+        batch.pool.allocator.free(request_id)
+        batch.rows[slot] = None
+        for key, document in list(batch.documents.items()):
+            document.readers.discard(request_id)
+            if not document.readers:
+                del batch.documents[key]
+
+    def _room_to_finish(self, batch: _Batch, item: _Prefilled, held: np.ndarray, reused: dict[str, int]) -> bool:
+        """Whether the pool can hold `item` (holding `held int[L, H]` pages, of which `reused` small pages per
+        group live rows hold already: a prefix hit's, a document's) and every live row of `batch` up to their
+        last tokens: a row joins only then, so rows never run out of pages mid-decode (no preemption).
+        Counted in device pages, a large page per group kept for rounding."""
         pool, P = batch.pool, batch.tables.shape[-1]
-        lengths = self.backend.fetch(batch.state.lengths)  # [..., L, R, H]
-        lengths = lengths.reshape((-1,) + lengths.shape[-3:]).max(axis=0)
+        lengths = self._over_shards(self.backend.fetch(batch.state.lengths))  # [L, R, H]
         remaining = np.array([0 if r is None else r.max_new_tokens - len(r.tokens) for r in batch.rows])
         final = pool.pages_ahead(lengths, remaining, batch.read_pages or None, P)  # [L, R, H]
         needed = sum(pool.device_page_count(pool.blocks(final[:, slot])) - pool.held_pages(r.request_id)
                      for slot, r in enumerate(batch.rows) if r is not None)
-        row_lengths = self.backend.fetch(item.state.lengths)
-        row_lengths = row_lengths.reshape((-1,) + row_lengths.shape[-3:]).max(axis=0)  # [L, 1, H]
-        left = np.array([item.request.max_new_tokens - len(item.request.tokens)])
+        row_lengths = self._over_shards(self.backend.fetch(item.state.lengths))  # [L, 1, H]
+        left = np.array([item.request.max_new_tokens - len(item.request.tokens)
+                         + (0 if item.question is None else len(item.question))])
         mine = np.maximum(pool.pages_ahead(row_lengths, left, item.state.read_pages, P)[:, 0], held)
-        needed += pool.device_page_count(pool.blocks(mine)) - pool.device_page_count(pool.hit_blocks(hit))
+        needed += pool.device_page_count(pool.blocks(mine)) - pool.device_page_count(reused)
         return pool.live_pages() + needed <= pool.num_pages - len(pool.specs) * pool.large_pages
 
     def _place_ahead(self, batch: _Batch, limit: np.ndarray) -> None:
         """Reserve the pages the next dispatch's tokens (`limit int[R]` a row at most) may write, in the
         pool, and place them in the device tables before the step runs (the step takes none itself)."""
         pool = batch.pool
-        lengths = self.backend.fetch(batch.state.lengths)  # [..., L, R, H]
-        lengths = lengths.reshape((-1,) + lengths.shape[-3:]).max(axis=0)
+        lengths = self._over_shards(self.backend.fetch(batch.state.lengths))  # [L, R, H]
         ahead = pool.pages_ahead(lengths, np.minimum(limit, self.steps), batch.read_pages or None,
                                  batch.tables.shape[-1])
         fresh = []
@@ -497,10 +620,7 @@ class BatchEngine:
                 continue
             got = tokens[slot] >= 0
             if self._emit(request, tokens[slot][got].tolist(), logprobs[slot][got].tolist()):
-                batch.state = self._clear_row(batch.state, jnp.int32(slot))
-                batch.tables[:, slot] = -1
-                batch.pool.allocator.free(request.request_id)
-                batch.rows[slot] = None
+                self._release_row(batch, slot)
 
     def _emit(self, request: BatchRequest, tokens: list[int], logprobs: list[float]) -> bool:
         """Record new tokens; returns whether the request finished."""
@@ -512,6 +632,8 @@ class BatchEngine:
             request.finish_reason = "length"
         if tokens and request.on_tokens is not None and request.on_tokens(request, tokens) and not request.finished:
             request.finish_reason = "abort"
+        if request.finished and request.on_finished is not None:
+            request.on_finished(request)
         return request.finished
 
 

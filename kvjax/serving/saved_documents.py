@@ -1,5 +1,6 @@
 """Documents the server answers from without prefilling them: states saved by `kvjax prefill --save`, named by
-id, loaded once into the engine's byte-bounded LRU and continued by each request's question."""
+id, loaded once into the engine's byte-bounded LRU (pinned while requests read it) and continued by each
+request's question, whose row reads the document's pages without copying them."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from dataclasses import dataclass
 import jax
 
 from kvjax.cache.state import CacheCapacityError
-from kvjax.engine.saved_state import SavedState, load_state, question_fed
+from kvjax.engine.saved_state import SavedState, load_state, question_rows
 from kvjax.engine.step import StepBackend
 from kvjax.models.loading import Model
 from kvjax.util.lru import BytesLRU
 
 DOCUMENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a directory name under the documents folder
+
+
+def _lru_key(document: str) -> tuple:
+    return ("saved_document", document)
 
 
 @dataclass
@@ -44,7 +49,7 @@ class SavedDocuments:
         if not DOCUMENT_ID.match(document or ""):
             raise ValueError(f"document id {document!r} must be a folder name (letters, digits, '.', '_', '-')")
         self.stats.lookups += 1
-        key = ("saved_document", document)
+        key = _lru_key(document)
         saved = self.lru.get(key)
         if saved is None:
             path = os.path.join(self.directory, document)
@@ -59,16 +64,29 @@ class SavedDocuments:
         return saved
 
     def submit(self, engine, document: str, question_ids, max_new_tokens: int, **sampling) -> str:
-        """Queue on `engine` (a `BatchEngine`) a request answering `question_ids` from `document`: the saved
-        state copied, the question fed by decode, then decoded in a batch under the saved policy
-        (`BatchEngine.submit_prefilled`; `sampling` its options). Returns the request id; ValueError when
-        the question and answer outgrow the document's room."""
+        """Queue on `engine` (a `BatchEngine`) a request answering `question_ids` from `document`: the question
+        fed by decode in the request's row, then decoded in a batch under the saved policy
+        (`BatchEngine.submit_question`: rows on one document read its whole pages from one copy in their
+        batch's pool; `sampling` its options). The document stays in the LRU (pinned) until the request
+        finishes. Returns the request id; ValueError when the question and answer outgrow the document's room."""
         saved = self.get(document)
         try:
-            state, logits = question_fed(self.model, saved, list(question_ids), max_new_tokens)
+            question = question_rows(self.model, saved, list(question_ids), max_new_tokens)[0]
         except CacheCapacityError as error:
             raise ValueError(str(error)) from None
-        return engine.submit_prefilled(state, logits, max_new_tokens, saved.policy, **sampling)
+        key, lru = _lru_key(document), self.lru
+        pinned = lru.pin(key)  # False when the document is larger than the LRU's budget (loaded each time)
+
+        def unpin(request=None) -> None:
+            if pinned:
+                lru.unpin(key)
+
+        try:
+            return engine.submit_question(saved.state, saved.logits, question, max_new_tokens, saved.policy,
+                                          document=(self.directory, document), on_finished=unpin, **sampling)
+        except BaseException:
+            unpin()
+            raise
 
 
 __all__ = ["DocumentStats", "SavedDocuments"]
