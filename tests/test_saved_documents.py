@@ -86,6 +86,7 @@ def test_concurrent_questions_read_one_copy_of_the_document(tiny, tmp_path):
     # every whole page of every head, and nothing else, is one device page both rows' tables point at
     np.testing.assert_array_equal(shared, np.arange(shared.shape[-1]) < whole[..., None])
     assert _pages_equal(batch, saved, pages)
+    assert engine.shared_pages == whole.sum()  # the second row's: the first copied the document in
     held = [set(batch.tables[:, row][batch.tables[:, row] >= 0].tolist()) for row in (0, 1)]
     # the pool holds the document's whole pages once, and each row's own pages (partial last page and growth)
     assert batch.pool.live_pages() == len(held[0] | held[1]) == whole.sum() + sum(len(h) - whole.sum() for h in held)
@@ -99,6 +100,10 @@ def test_concurrent_questions_read_one_copy_of_the_document(tiny, tmp_path):
     assert list(engine.cache.keys()) == [filler]  # unpinned once both finished
     assert engine.leaked_pages == 0 and batch.pool.live_pages() == 0 and not batch.documents
     assert (documents.stats.loads, documents.stats.lookups) == (1, 2)
+    with pytest.raises(ValueError, match="needs a question"):
+        engine.submit_question(saved.state, None, [], NEW, policy, document="doc")
+    with pytest.raises(ValueError, match="capacity of 256"):
+        engine.submit_question(saved.state, saved.logits, [5] * 200, NEW, policy, document="doc")
 
 
 def test_a_decode_time_evictor_reads_its_compressed_layers_from_its_own_pages(tiny, tmp_path):
