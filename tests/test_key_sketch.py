@@ -239,7 +239,7 @@ def tiny_model():
 
 @pytest.mark.parametrize("name, kv_dtype", quick_params(
     [(n, d) for d in ("float32", "bfloat16", "int8") for n in ("oracle_page", "oracle_token", "loki", "key_int4")],
-    [("oracle_page", "float32"), ("oracle_token", "float32"), ("loki", "bfloat16"), ("key_int4", "int8")],
+    [("oracle_token", "float32"), ("key_int4", "int8")],  # slot selection; int8 pages (Loki: the compose test)
     ids=lambda v: f"{v[0]}-{v[1]}"))
 def test_selector_equals_full_attention_when_budget_covers_context(name, kv_dtype):
     model = tiny_model().with_kv_dtype(kv_dtype)

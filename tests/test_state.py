@@ -59,7 +59,7 @@ def check_invariants(state):
 
 
 # each example of a new batch size, page size or page dtype compiles anew: 6 in the quick suite, 20 in CI's set
-@settings(max_examples=20 if os.environ.get("KVJAX_TEST_HEAVY") == "1" else 6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20 if os.environ.get("KVJAX_TEST_HEAVY") == "1" else 3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lengths=st.lists(st.integers(1, 45), min_size=1, max_size=3),
     chunk=st.just(16),
