@@ -195,6 +195,7 @@ def main(argv=None):
     from tqdm import tqdm
 
     import kvjax
+    from kvjax.policies import layer_roles
 
     cfg = kvjax.ModelConfig.from_hf_dict(attention_heavy_config(args.vocab))
     model = kvjax.Model(cfg, kvjax.init_params(cfg, seed=0))
@@ -206,7 +207,7 @@ def main(argv=None):
                 for name, kv_dtype in tqdm(jobs, desc=f"{context} prefill: policy x kv dtype")]
         rows = round_robin(runs, args.steps)
         if args.score_times:  # one layer's page scores of every selector, timed round-robin too
-            calls = {(i, key): call for i, run in enumerate(runs) if run.policy.selects_pages(cfg.num_layers - 1)
+            calls = {(i, key): call for i, run in enumerate(runs) if layer_roles(run.policy, cfg.num_layers - 1).select
                      for key, call in score_calls(run).items()}
             for (i, key), ms in time_round_robin(calls, args.steps).items():
                 rows[i][key] = ms

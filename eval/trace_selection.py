@@ -45,8 +45,12 @@ class RecordingSelect:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    @property
+    def selector(self):  # the selector role is this recorder's (the inner policy's other roles stay its own)
+        return self
+
     def select_pages(self, view):
-        selected = self.inner.select_pages(view)
+        selected = self.inner.selector.select_pages(view)
         jax.debug.callback(self.record, view.layer, selected)
         return selected
 
@@ -70,8 +74,9 @@ def trace(model, task: str, length: int, sample_index: int, policies, budgets, s
     for name, policy in built.items():
         state, logits = retrieval.policy_state(model, shared, policy, [context], len(question) + max_new)
         hits = np.ones(mass.shape, bool)  # dense layers read every page
-        # a token-level selection (`selects_slots`) lists slots: the value's positions, not its pages
-        targets = set(int(p) for p in values) if getattr(policy, "selects_slots", False) else value_pages
+        # a token-level selector (`Selector.unit` "slot") lists slots: the value's positions, not its pages
+        slots = policy.selector is not None and policy.selector.unit == "slot"
+        targets = set(int(p) for p in values) if slots else value_pages
 
         def record(layer, selected, hits=hits, targets=targets):
             chosen = np.asarray(selected)[0]  # [Hq or H, K]

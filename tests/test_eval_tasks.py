@@ -178,7 +178,7 @@ def test_sweep_table_and_plot(tmp_path):
 
 
 def test_quest_static_keeps_top_pages_for_the_last_query():
-    from kvjax.policies.base import LayerView
+    from kvjax.policies.base import PromptView
 
     B, H, G, S, D, ps = 1, 2, 2, 64, 8, 16
     key = jax.random.PRNGKey(3)
@@ -186,9 +186,9 @@ def test_quest_static_keeps_top_pages_for_the_last_query():
     q = jax.random.normal(jax.random.fold_in(key, 1), (B, 1, H * G, D))
     lengths = jnp.array([[64, 40]], jnp.int32)
     valid = jnp.arange(S)[None, None, :] < lengths[..., None]
-    view = LayerView(layer=1, num_layers=2, k=k, slot_pos=jnp.where(valid, jnp.arange(S), -1), valid=valid,
-                     slot_score=jnp.zeros((B, H, S)), lengths=lengths, next_position=jnp.array([64]),
-                     window_q=q, window_pos=jnp.array([[63]]))
+    view = PromptView(layer=1, num_layers=2, k=k, slot_pos=jnp.where(valid, jnp.arange(S), -1), valid=valid,
+                      slot_score=jnp.zeros((B, H, S)), lengths=lengths, next_position=jnp.array([64]),
+                      final_chunk=jnp.array([True]), window_q=q, window_pos=jnp.array([[63]]))
     policy = kvjax.make_policy("quest_static", token_budget=32, page_size=ps)
     keep, count = policy.compress_layer(view, 32)
     kn, qn = np.asarray(k), np.asarray(q)[0, 0].reshape(H, G, D)

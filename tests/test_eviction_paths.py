@@ -3,7 +3,7 @@
 H2O and TOVA need the attention each slot receives. The steps attend through the blocked prefill loop and
 the decode kernels only, and rebuild what the policy reads from the row max and sum: H2O's prefill column
 sums with one more blocked pass over the keys (`attention_column_sums`), a decode step's probabilities with
-one pass over the layer's keys (`LayerView.probs`). Here they are checked against `paged_attention`'s plain
+one pass over the layer's keys (`DecodeView.probs`). Here they are checked against `paged_attention`'s plain
 softmax, and end to end: with the full-softmax path put back in, 64 decode steps keep the same positions.
 """
 
@@ -17,8 +17,8 @@ import kvjax.engine.step
 from conftest import random_tokens
 from kvjax.cache.attention import attention_column_sums, blocked_paged_attention, decode_attention, paged_attention, read_slots
 from kvjax.cache.compaction import kept_positions
-from kvjax.policies import LayerView
-from kvjax.engine.step import layer_view
+from kvjax.policies import DecodeView
+from kvjax.engine.decode import slot_fields
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,8 @@ def test_decode_probabilities_equal_the_softmax(model, state, selection):
         selected = jnp.asarray(rng.integers(-1, 10, size=(2, rows, 3)), jnp.int32)  # repeats, -1, the current page
     _, row_max, row_sum = decode_attention(q, state, 1, selected, return_stats=True)
     read = None if selected is None else read_slots(selected, state.lengths[1], state.page_size, P)
-    view = layer_view(state, 1, cfg.num_layers, state.next_position, q=q[:, 0], row_max=row_max, row_sum=row_sum,
-                      read=read)
+    view = DecodeView(layer=1, num_layers=cfg.num_layers, next_position=state.next_position, **slot_fields(state, 1),
+                      q=q[:, 0], row_max=row_max, row_sum=row_sum, read=read)
     B, H, S, D = view.k.shape
     logits = jnp.einsum("bhgd,bhsd->bhgs", q[:, 0].reshape(B, H, -1, D), view.k) * D**-0.5
     mask = view.valid[:, :, None] if read is None else read & view.valid[:, :, None]
@@ -73,7 +73,7 @@ def test_decode_probabilities_equal_the_softmax(model, state, selection):
         assert (~np.asarray(mask) & np.asarray(view.valid)[:, :, None]).any()
 
 
-def softmax_probs(view: LayerView) -> jax.Array:
+def softmax_probs(view: DecodeView) -> jax.Array:
     """The full-softmax path the steps used before: softmax of q.k / sqrt(D) over the slots read."""
     B, H, S, D = view.k.shape
     logits = jnp.einsum("bhgd,bhsd->bhgs", view.q.reshape(B, H, -1, D), view.k.astype(view.q.dtype)) * D**-0.5
@@ -106,7 +106,7 @@ def test_kernel_path_keeps_what_the_softmax_path_keeps(model, monkeypatch, name)
     else:
         policy = kvjax.make_policy(name, token_budget=budget)
     kept, logits = _kept_after_decoding(model, policy)
-    monkeypatch.setattr(LayerView, "probs", property(softmax_probs))
+    monkeypatch.setattr(DecodeView, "probs", property(softmax_probs))
     monkeypatch.setattr(kvjax.engine.step, "attention_column_sums", softmax_column_sums)
     jax.clear_caches()  # the steps are traced again, through the softmax path
     try:

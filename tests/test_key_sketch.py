@@ -12,8 +12,9 @@ import pytest
 import kvjax
 from kvjax import pallas_kernels as pk
 from kvjax.pallas_kernels.sketch_scores import pack_int4, sketch_page_scores, unpack_int4
+from kvjax.engine.decode import page_view
 from kvjax.pallas_kernels.testing import make_paged_inputs
-from kvjax.policies.base import LayerView
+from kvjax.policies.base import PageView
 from policy_cases import quick_params
 
 
@@ -163,8 +164,8 @@ def view_of(inputs_rng):
     inputs = make_paged_inputs(inputs_rng, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4,
                                max_pages=6, lengths=[[21, 9], [24, 13]], poison=0.0)
     q, k_pages, _, kmin, kmax, table, lengths = inputs.as_jax()
-    view = LayerView(layer=jnp.int32(0), num_layers=1, lengths=lengths, q=q, page_table=table, kmin=kmin, kmax=kmax,
-                     page_size=4, k_pages=k_pages)
+    view = PageView(layer=jnp.int32(0), num_layers=1, lengths=lengths, q=q, page_table=table, kmin=kmin, kmax=kmax,
+                    page_size=4, k_pages=k_pages)
     return inputs, view
 
 
@@ -221,8 +222,7 @@ def test_sketch_selectors_score_as_defined(name, options, reference, kv_dtype):
     layer = 1
     keys, _, _, valid = gather_layer(state, layer)
     q = np.random.default_rng(3).standard_normal((1, model.cfg.num_heads, model.cfg.head_dim)).astype(np.float32)
-    view = LayerView(layer=jnp.int32(layer), num_layers=model.cfg.num_layers, lengths=state.lengths[layer],
-                     q=jnp.asarray(q), page_table=state.page_table[layer], page_size=16, key_sketch=state.key_sketch)
+    view = page_view(state, jnp.int32(layer), model.cfg.num_layers, jnp.asarray(q))
     actual = np.asarray(policy.page_bounds(view))  # [1, Hq, P]
     G = model.cfg.num_heads // model.cfg.num_kv_heads
     for hq in range(model.cfg.num_heads):

@@ -12,7 +12,7 @@ import kvjax
 from kvjax.cache.compaction import kept_positions
 from kvjax.engine.api import dense_forward
 from kvjax.engine.reconstruction import instruction_ids, repeat_feeds
-from kvjax.engine.step import layer_view
+from kvjax.engine.step import prompt_view
 from kvjax.eval.lib.crosscheck import VENV
 
 PYTHON = os.environ.get("KVPRESS_PYTHON", os.path.join(os.path.dirname(__file__), "..", VENV, "bin", "python"))
@@ -29,7 +29,7 @@ def _raw_scores(model, state):
     L = model.cfg.num_layers
     out = []
     for layer in range(L):
-        view = layer_view(state, layer, L, state.next_position)
+        view = prompt_view(state, layer, L, state.next_position)
         pos, score, valid = (np.asarray(x)[0] for x in (view.slot_pos, view.slot_score, view.valid))
         per = np.full((score.shape[0], int(np.asarray(state.next_position)[0])), np.nan)
         for h in range(score.shape[0]):

@@ -213,7 +213,7 @@ def test_bfloat16_train_steps(hf_models, heads_dtype):
 def test_kvzip_targets_are_the_kvzip_policys_scores():
     """`kvzip_targets`: the heads' inputs of `compute_targets` and the log of the score the kvzip policy
     itself writes after its reconstruction pass (budget above the prompt: nothing pooled away)."""
-    from kvjax.engine.decode import layer_view
+    from kvjax.engine.decode import prompt_view
     from kvjax.locret.data import Example
     from kvjax.locret.labels import kvzip_targets
 
@@ -227,7 +227,7 @@ def test_kvzip_targets_are_the_kvzip_policys_scores():
     state, _ = kvjax.prefill(model, prefix[None], policy=kvjax.make_policy("kvzip", token_budget=64), max_new_tokens=2)
     L = model.cfg.num_layers
     for layer in range(L):
-        view = layer_view(state, layer, L, state.next_position)
+        view = prompt_view(state, layer, L, state.next_position)
         for h in range(model.cfg.num_kv_heads):
             pos, score = np.asarray(view.slot_pos[0, h]), np.asarray(view.slot_score[0, h])
             real = (pos >= 4) & np.asarray(view.valid[0, h])  # past the 4 sinks (+inf)

@@ -26,7 +26,7 @@ import kvjax
 from conftest import random_tokens
 from kvjax.cache.compaction import kept_positions, memory_report
 from kvjax.util.compile_count import count_compiles
-from kvjax.policies import POLICY_REGISTRY
+from kvjax.policies import POLICY_REGISTRY, layer_roles
 from policy_cases import BUDGET, QUICK_CASES, case_param, matrix_cases
 from test_state import check_invariants
 
@@ -97,7 +97,7 @@ def _check_positions(kept, seen):
 
 def decode_budget(policy):
     """Slots a compressed head holds at most while decoding, or None when it keeps every new token."""
-    return policy.decode_budget if policy.evicts_while_decoding else None
+    return policy.evictor.decode_budget if policy.evictor is not None else None
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,7 @@ def test_policy_matrix(runs, case):
     budget = decode_budget(policy)
     grown = held[0][None] + np.arange(STEPS + 1)[:, None, None, None]
     for l in range(L):
-        if budget is not None and policy.compresses_layer(l):
+        if layer_roles(policy, l).evict:
             np.testing.assert_array_equal(
                 held[:, l], np.minimum(grown[:, l], budget), err_msg=f"layer {l}: decode-time eviction off budget"
             )

@@ -31,7 +31,8 @@ def _model(hf_models):
 CASES = [c for c in matrix_cases(kvjax.ModelConfig(
     model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=16, max_position_embeddings=256,
-), page_size=PAGE) if not (c.policy.compresses and (c.policy.chunks is not None or c.policy.scoring_pass is not None))]
+), page_size=PAGE) if c.policy.compressor is None or (c.policy.compressor.chunks is None
+                                                     and c.policy.compressor.scoring_pass is None)]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def shared(hf_models):
 def test_capture_gathers_for_every_policy():
     capture = capture_for([c.policy for c in CASES])
     assert capture.accumulate
-    assert capture.window == max(c.policy.window_size for c in CASES if c.policy.compresses) > 1
+    assert capture.window == max(c.policy.compressor.window_size for c in CASES if c.policy.compresses) > 1
 
 
 @pytest.mark.parametrize("case", [case_param(c.id, c) for c in CASES])

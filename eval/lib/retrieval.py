@@ -123,7 +123,8 @@ def score_sample(model, sample, task: str, n_tokens: int, tokens: Sequence[int])
 def compresses_in_prefill(policy) -> bool:
     """Whether `policy` compresses during prefill (Locret) or scores the prompt in a pass of its own (KVzip): its
     state cannot be derived from a shared one."""
-    return policy.compresses and (policy.chunks is not None or policy.scoring_pass is not None)
+    compressor = policy.compressor
+    return compressor is not None and (compressor.chunks is not None or compressor.scoring_pass is not None)
 
 
 def policy_state(model, shared, policy, contexts, reserve: int, page_size: int = 16, chunk_size: int = 512):
@@ -135,7 +136,8 @@ def policy_state(model, shared, policy, contexts, reserve: int, page_size: int =
 
     if not compresses_in_prefill(policy):
         return derive(model, shared, policy)
-    capacity = shared.state.capacity if shared and policy.scoring_pass is None else None  # KVzip's pass needs more
+    kvzip = policy.compressor.scoring_pass is not None  # KVzip's pass needs more than the shared capacity
+    capacity = shared.state.capacity if shared and not kvzip else None
     return kvjax.prefill(model, contexts, policy, page_size=page_size, chunk_size=chunk_size,
                          capacity=capacity, max_new_tokens=reserve)
 

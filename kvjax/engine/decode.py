@@ -16,7 +16,7 @@ from kvjax.cache.compaction import evict_one_slot
 from kvjax.cache.state import KVState, add_slot_scores, append_to_layer, gather_layer
 from kvjax.models.config import ModelConfig
 from kvjax.models.transformer import embed, final_logits, layer_inputs, layer_output
-from kvjax.policies import LayerView, Policy
+from kvjax.policies import DecodeView, PageView, Policy, PromptView, layer_roles
 
 
 class DecodePlan(NamedTuple):
@@ -25,13 +25,14 @@ class DecodePlan(NamedTuple):
     start: int
     stop: int
     sliding: int  # the layers' sliding window (0: none; no policy acts there)
-    selects: bool  # read only the pages the policy's selector chooses
+    selects: bool  # read only what the policy's selector chooses
+    slots: bool  # the policy's selector lists single slots (`Selector.unit`): the pool is read as one-slot pages
     accumulate: bool  # add each slot's attention to its score (H2O)
     evict: bool  # drop a slot of each head over the decode budget
-    view_fields: tuple  # the `LayerView` fields a decode-time evictor decides on
+    view_fields: tuple  # the `DecodeView` fields the shards return for the evictor
 
 
-# the fields of a decode-time evictor's view, per slot `[B, H, ...]`, and the step's attention statistics
+# the slot fields of `PromptView` and `DecodeView`, per slot `[B, H, ...]`, and the step's attention statistics
 SLOT_FIELDS = ("k", "slot_pos", "valid", "slot_score", "lengths")
 STAT_FIELDS = ("q", "row_max", "row_sum")
 # their layouts, one letter per axis (b batch rows, h heads, s slots, d head dim), for a mesh's shards
@@ -41,16 +42,17 @@ STEP_LAYOUTS = ("state", "", "bchd", "bchd", "bchd", "bc", "b")  # state, layer,
 
 
 def decode_plans(policy: Policy, segments, windows: tuple) -> tuple[DecodePlan, ...]:
-    """One `DecodePlan` per run of alike layers (`segments`, `engine.step.layer_segments`)."""
+    """One `DecodePlan` per run of alike layers (`segments`, `engine.step.layer_segments`), from the roles
+    the policy plays there (`layer_roles`); a sliding-window layer's own rule replaces them."""
+    slots = policy.selector is not None and policy.selector.unit == "slot"
     plans = []
     for start, stop in segments:
         sliding = windows[start] if windows else 0
-        compressed = policy.compresses and policy.compresses_layer(start) and not sliding
-        evict = compressed and policy.evicts_while_decoding
-        selects = policy.selects_pages(start) and not sliding
+        roles = layer_roles(policy, start)
+        compressed, evict, selects = (role and not sliding for role in (roles.compress, roles.evict, roles.select))
         fields = SLOT_FIELDS + STAT_FIELDS + (("read",) if selects else ()) if evict else ()
-        plans.append(DecodePlan(start, stop, sliding, selects, compressed and policy.accumulates_attention, evict,
-                                fields))
+        accumulate = compressed and policy.compressor.accumulates_attention
+        plans.append(DecodePlan(start, stop, sliding, selects, slots, accumulate, evict, fields))
     return tuple(plans)
 
 
@@ -89,9 +91,10 @@ def decode_layer(layers, layer, x, state: KVState, positions, num_new, seen, pla
     state, out, parts = placement.per_shard(on_pages, STEP_LAYOUTS, out_layouts)(
         state, layer, inputs.q, inputs.k, inputs.v, positions, num_new)
     if plan.evict:
-        view = LayerView(layer=layer, num_layers=cfg.num_layers, next_position=seen, **parts)
-        victim = jnp.argmin(jnp.where(view.valid, policy.decode_scores(view), jnp.inf), axis=-1).astype(jnp.int32)
-        evict = functools.partial(evict_over_budget, budget=policy.decode_budget)
+        evictor = policy.evictor
+        view = DecodeView(layer=layer, num_layers=cfg.num_layers, next_position=seen, **parts)
+        victim = jnp.argmin(jnp.where(view.valid, evictor.decode_scores(view), jnp.inf), axis=-1).astype(jnp.int32)
+        evict = functools.partial(evict_over_budget, budget=evictor.decode_budget)
         state = placement.per_shard(evict, ("state", "", "bh", "bhsd"), "state")(state, layer, victim, view.k)
     return layer_output(layers, layer, cfg, dtype, x, out, first=plan.start, stop=plan.stop), state
 
@@ -100,15 +103,15 @@ def write_select_attend(state: KVState, layer, q, k, v, positions, num_new, *, p
                         num_layers: int):
     """On one state (or one shard's): write the token's k/v `[B, 1, H, D]`, choose the pages to read, attend
     with `q [B, 1, Hq, D]`. Returns `(state, out [B, 1, Hq, D], the plan's view fields)`."""
-    sketch = policy.sketch_keys(state.key_sketch, layer, k) if state.key_sketch is not None and policy.keeps_key_sketch else None
-    state = append_to_layer(state, layer, k, v, positions, num_new, sketch=sketch)
-    pages = policy.select_pages(page_view(state, layer, num_layers, q[:, 0])) if plan.selects else None
+    state = append_to_layer(state, layer, k, v, positions, num_new, sketch=new_sketch_rows(policy, state, layer, k))
+    pages = policy.selector.select_pages(page_view(state, layer, num_layers, q[:, 0])) if plan.selects else None
     if not (plan.accumulate or plan.evict):
-        return state, decode_attention(q, state, layer, pages, slots=policy.selects_slots), {}
+        return state, decode_attention(q, state, layer, pages, slots=plan.slots), {}
     out, row_max, row_sum = decode_attention(q, state, layer, pages, return_stats=True)
     read = None if pages is None else read_slots(pages, state.lengths[layer], state.page_size,
                                                  state.layer_read_pages(layer))
-    view = layer_view(state, layer, num_layers, None, q=q[:, 0], row_max=row_max, row_sum=row_sum, read=read)
+    view = DecodeView(layer=layer, num_layers=num_layers, next_position=positions[:, 0] + num_new,
+                      **slot_fields(state, layer), q=q[:, 0], row_max=row_max, row_sum=row_sum, read=read)
     if plan.accumulate:  # H2O: every query's attention, summed over the group, adds to the slot's score
         delta = view.probs.sum(axis=2) * (num_new > 0)[:, None, None]  # [B, H, S]
         state = add_slot_scores(state, layer, delta)
@@ -138,29 +141,49 @@ def evict_over_budget(state: KVState, layer, victim, keys, *, budget: int) -> KV
 # ------------------------------------------------------------------------------------------ views
 
 
-def layer_view(state: KVState, layer, num_layers: int, next_position, **extra) -> LayerView:
-    """One layer's cache as a compressor or evictor sees it (`LayerView`: `[B, H, S]` slots in logical
-    order); `layer` may be traced (the state's read bound must then be the same for every layer)."""
+def new_sketch_rows(policy: Policy, state: KVState, layer, k):
+    """The key-sketch rows of new keys `k [B, C, H, D]` the append writes (`Selector.sketch_keys`), or None
+    when the state has no sketch or the policy's selector keeps none."""
+    selector = policy.selector
+    if state.key_sketch is None or selector is None or not selector.keeps_key_sketch:
+        return None
+    return selector.sketch_keys(state.key_sketch, layer, k)
+
+
+def slot_fields(state: KVState, layer) -> dict:
+    """The slot fields (`SLOT_FIELDS`) of one layer's `PromptView` or `DecodeView`: `[B, H, S]` slots in
+    logical order; `layer` may be traced (the state's read bound must then be the same for every layer)."""
     k, _, slot_pos, valid = gather_layer(state, layer)
     P = state.layer_read_pages(layer)
     score = state.slot_score[jnp.clip(state.page_table[layer, :, :, :P], 0, state.num_pages - 1)]
-    return LayerView(
-        layer=layer, num_layers=num_layers, k=k, slot_pos=slot_pos, valid=valid,
-        slot_score=score.reshape(slot_pos.shape), lengths=state.lengths[layer], next_position=next_position,
-        **extra,
-    )
+    return {"k": k, "slot_pos": slot_pos, "valid": valid, "slot_score": score.reshape(slot_pos.shape),
+            "lengths": state.lengths[layer]}
 
 
-def page_view(state: KVState, layer, num_layers: int, q) -> LayerView:
-    """What a page selector reads at a decode step: the query `q [B, Hq, D]` and the layer's page metadata
-    (the table up to its read bound, the pool's key min/max and key sketch), no slot gathered."""
+def prompt_view(state: KVState, layer, num_layers: int, next_position, final_chunk=None, window=None,
+                pool_threshold=None, slots: dict | None = None) -> PromptView:
+    """One layer's `PromptView`: `next_position int32[B]`, `final_chunk bool[B]` (None: every sequence's last
+    chunk), `window` the prefill carry (`engine.step.new_window`, or None), `pool_threshold f32[B]` or None,
+    `slots` the layer's `slot_fields` (None: gathered here from `state`; a mesh gathers them per shard)."""
+    if final_chunk is None:
+        final_chunk = jnp.ones(next_position.shape, bool)
+    extra = {} if window is None else {"window_q": window["q"][layer], "window_pos": window["pos"]}
+    slots = slot_fields(state, layer) if slots is None else slots
+    return PromptView(layer=layer, num_layers=num_layers, next_position=next_position, final_chunk=final_chunk,
+                      pool_threshold=pool_threshold, **slots, **extra)
+
+
+def page_view(state: KVState, layer, num_layers: int, q) -> PageView:
+    """What a selector reads at a decode step (`PageView`): the query `q [B, Hq, D]` and the layer's page
+    metadata (the table up to its read bound, the pool's keys and their min/max, the key sketch if any)."""
     P = state.layer_read_pages(layer)
-    return LayerView(
+    return PageView(
         layer=layer, num_layers=num_layers, lengths=state.lengths[layer], q=q,
-        page_table=state.page_table[layer, :, :, :P], kmin=state.kmin, kmax=state.kmax, page_size=state.page_size,
+        page_table=state.page_table[layer, :, :, :P], page_size=state.page_size, kmin=state.kmin, kmax=state.kmax,
         k_pages=state.k_pages, key_sketch=state.key_sketch,
     )
 
 
 __all__ = ["DecodePlan", "SLOT_FIELDS", "VIEW_LAYOUTS", "attend_in_window", "decode_forward", "decode_layer",
-           "decode_plans", "evict_over_budget", "page_view", "layer_view", "write_select_attend"]
+           "decode_plans", "evict_over_budget", "new_sketch_rows", "page_view", "prompt_view", "slot_fields",
+           "write_select_attend"]

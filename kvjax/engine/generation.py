@@ -160,16 +160,19 @@ def prefill_row_steps(
     can run other work between chunks, as the batch engine runs decode dispatches) and returns
     `(state, logits)` after the compression."""
     backend, policy = plan.backend or LOCAL_BACKEND, plan.policy
+    compressor, selector = policy.compressor, policy.selector
     state, window, logits = yield from prefill_chunk_steps(model, rows, plan)
-    if policy.compresses and policy.scoring_pass is not None:  # KVzip: the prompt repeated, its slots scored
+    if compressor is not None and compressor.scoring_pass is not None:  # KVzip: the prompt repeated, its slots scored
         if plan.backend is not None and plan.backend is not LOCAL_BACKEND:
             raise NotImplementedError(f"policy {policy.name!r}: its scoring pass (KVzip's reconstruction) runs on one "
                                       "device, not on a mesh")
         state = score_by_reconstruction(model, state, rows, policy)
-    if policy.compresses and policy.chunks is None:
+    if compressor is not None and compressor.chunks is None:
         state = compress_prefilled(model, state, window, policy, [len(r) for r in rows], plan.reserve_tokens, backend)
-    attach = policy.attach_sketch  # a selector's key sketch, fitted on the compressed cache
-    if policy.keeps_key_sketch and backend.placement.sharded:  # per shard: each fits its own heads' keys
+    if selector is None or not selector.keeps_key_sketch:
+        return state, logits
+    attach = selector.attach_sketch  # the selector's key sketch, fitted on the compressed cache
+    if backend.placement.sharded:  # per shard: each fits its own heads' keys
         attach = backend.placement.per_shard(attach, ("state",), "state")
     return attach(state), logits
 
@@ -189,7 +192,7 @@ def prefill_chunk_steps(
     """A generator yielding after every chunk's step (`prefill_row_steps`; `run_to_end` runs it through):
     `prefill_rows` up to, not including, the compression after prefill: every chunk appended (and, with a
     chunk schedule, compressed). Returns `(state, window, logits)`, `window` being the carry of the last
-    `policy.window_size` queries per layer (`kvjax.engine.step.new_window`) or None.
+    `compressor.window_size` queries per layer (`kvjax.engine.step.new_window`) or None.
 
     Prefix reuse (one row, a policy without a chunk schedule): `on_chunk(carry)` is called after every whole
     chunk with what the next chunk starts from (it must copy what it keeps: the next step donates the
@@ -209,7 +212,8 @@ def prefill_chunk_steps(
 
     # Per-chunk compressors (Locret) compress after every chunk and append a tail without eviction; their
     # compressed layers get pages for what they can hold at once (slots_needed), not for the prompt.
-    chunks = policy.chunks if policy.compresses else None
+    compressor = policy.compressor
+    chunks = None if compressor is None else compressor.chunks
     per_chunk = chunks is not None
     tails = np.array([min(chunks.tail, int(n)) if per_chunk else 0 for n in lengths], np.int32)
     num_pages = read_bound = None
@@ -221,7 +225,7 @@ def prefill_chunk_steps(
     state = backend.new_state(
         cfg, B, capacity, page_size, num_pages, model.cache_dtype, uses_long_factors(cfg, plan.declared_length), read_bound
     )
-    keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in lengths - tails)
+    keep_bound = max(compressor.kept_bound(int(n), cfg.num_kv_heads) for n in lengths - tails) if per_chunk else 0
     policy_params = chunks.params if per_chunk else None
     if (resume is not None or on_chunk is not None) and (per_chunk or B != 1):
         raise ValueError("prefix reuse (resume, on_chunk) takes one row and a policy without a chunk schedule, got "
@@ -252,7 +256,7 @@ def prefill_chunk_steps(
         return state, window, logits
 
     logits = backend.put(jnp.zeros((B, cfg.vocab_size), jnp.float32))
-    window = new_window(cfg, B, policy.window_size, model.dtype) if policy.compresses else None
+    window = None if compressor is None else new_window(cfg, B, compressor.window_size, model.dtype)
     head = [r[: len(r) - t] for r, t in zip(rows, tails)]
     C = _chunk_size_for(max(len(r) for r in head), chunk_size)
     done = 0
@@ -284,7 +288,7 @@ def compress_prefilled(
     policy that evicts while decoding). `window` is the prefill's query carry. Donates `state`."""
     backend = backend or LOCAL_BACKEND
     cfg = model.cfg
-    keep_bound = max(policy.kept_bound(int(n), cfg.num_kv_heads) for n in prompt_lengths)
+    keep_bound = max(policy.compressor.kept_bound(int(n), cfg.num_kv_heads) for n in prompt_lengths)
     grow = 1 if policy.evicts_while_decoding else reserve_tokens
     bounded = min(state.max_pages, pages_for(bucketed(keep_bound + grow), state.page_size))
     read_pages = tuple(

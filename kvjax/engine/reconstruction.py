@@ -87,7 +87,7 @@ def score_slots(state: KVState, scores: jax.Array, *, policy: Policy) -> KVState
     """`slot_score` of every layer from per-slot `scores f32[L, B, H, S]` (`gather_layer`'s slot order; a
     reconstruction's, or any other per-token score): the first `sinks` positions +inf, then the policy's pool
     (`ScoringPass.pool`: -inf on the slots to evict), ready for its `compress_layer`. Donates `state`."""
-    spec = policy.scoring_pass
+    spec = policy.compressor.scoring_pass
     L = scores.shape[0]
     pos, valid = jax.vmap(lambda layer: gather_layer(state, layer)[2:])(jnp.arange(L))  # [L, B, H, S]
     scores = jnp.where(valid, jnp.where(pos < spec.sinks, jnp.inf, scores), -jnp.inf)
@@ -131,9 +131,9 @@ def reconstruction_scores(model: Model, state: KVState, rows: Sequence[np.ndarra
 
 
 def score_by_reconstruction(model: Model, state: KVState, rows: Sequence[np.ndarray], policy: Policy) -> KVState:
-    """The policy's scoring pass (`Policy.scoring_pass`) over prefilled `rows`, its pooled scores written to
-    `slot_score` (`reconstruction_scores`, then `score_slots`). Donates `state`."""
-    state, scores = reconstruction_scores(model, state, rows, policy.scoring_pass)
+    """The scoring pass of the policy's compressor (`Compressor.scoring_pass`) over prefilled `rows`, its pooled
+    scores written to `slot_score` (`reconstruction_scores`, then `score_slots`). Donates `state`."""
+    state, scores = reconstruction_scores(model, state, rows, policy.compressor.scoring_pass)
     return score_slots(state, scores, policy=policy)
 
 

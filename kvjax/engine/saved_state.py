@@ -21,7 +21,7 @@ from kvjax.cache.state import CacheCapacityError, KeySketch, KVState, init_state
 from kvjax.engine.generation import as_token_row, continue_rows, feed_tokens, policy_or_full
 from kvjax.engine.step import LOCAL_BACKEND, StepBackend
 from kvjax.models.loading import Model
-from kvjax.policies import POLICY_REGISTRY, Policy
+from kvjax.policies import POLICY_REGISTRY, Policy, layer_roles
 from kvjax.util.tensor_file import TensorFileError, aligned_empty, file_crc32, read_all, read_small, tensor_index
 
 FORMAT, VERSION = "kvjax.saved_state", 1
@@ -135,7 +135,7 @@ def _decode_tree(node: dict, tensors: dict) -> Any:
 
 def _grows(policy: Policy, layer: int) -> bool:
     """Whether `layer`'s slots grow while decoding (not a layer the policy evicts in at every step)."""
-    return not (policy.evicts_while_decoding and policy.compresses_layer(layer))
+    return not layer_roles(policy, layer).evict
 
 
 def growth_tokens(policy: Policy, lengths: np.ndarray, room: int) -> np.ndarray:
@@ -144,7 +144,7 @@ def growth_tokens(policy: Policy, lengths: np.ndarray, room: int) -> np.ndarray:
     out = np.full(lengths.shape, room, np.int64)
     for l in range(lengths.shape[0]):
         if not _grows(policy, l):
-            out[l] = np.clip(policy.decode_budget + 1 - lengths[l], min(1, room), room)
+            out[l] = np.clip(policy.evictor.decode_budget + 1 - lengths[l], min(1, room), room)
     return out
 
 

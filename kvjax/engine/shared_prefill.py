@@ -16,15 +16,15 @@ from kvjax.engine.generation import (
     policy_or_full, PrefillPlan, prefill_chunk_steps, run_to_end,
 )
 from kvjax.models.loading import Model
-from kvjax.policies import LayerView, Policy
+from kvjax.policies import Compressor, Policy, PromptView
 from kvjax.cache.state import KVState
 
 
 @dataclasses.dataclass(frozen=True)
-class CapturePolicy(Policy):
+class CapturePolicy(Policy, Compressor):
     """The full cache, whose prefill also records what compressors read: the last `window` queries of every
-    layer and, with `accumulate`, every query's attention in `slot_score`. It never compresses (its
-    `compress_layer` exists only so the steps treat every layer as one a compressor reads); not registered."""
+    layer and, with `accumulate`, every query's attention in `slot_score`. It never compresses (it declares
+    the role only so the steps treat every layer as one a compressor reads); not registered."""
 
     window: int = 0
     accumulate: bool = False
@@ -37,7 +37,7 @@ class CapturePolicy(Policy):
     def accumulates_attention(self) -> bool:  # type: ignore[override]
         return self.accumulate
 
-    def compress_layer(self, view: LayerView, keep_bound: int):
+    def compress_layer(self, view: PromptView, keep_bound: int):
         raise RuntimeError("CapturePolicy never compresses: derive() compresses copies with each policy")
 
 
@@ -54,18 +54,18 @@ class SharedPrefill(NamedTuple):
 
 def capture_for(policies: Sequence[Policy]) -> CapturePolicy:
     """The capture that serves every one of `policies`; ValueError naming one that compresses per chunk."""
+    compressors = [p.compressor for p in policies if p.compressor is not None]
     for policy in policies:
-        if policy.compresses and policy.chunks is not None:
+        if policy.compressor is not None and policy.compressor.chunks is not None:
             raise ValueError(
                 f"policy {policy.name!r} compresses during prefill (a chunk schedule), so it cannot be derived "
                 "from a shared full prefill; prefill it on its own"
             )
-        if policy.compresses and policy.scoring_pass is not None:
+        if policy.compressor is not None and policy.compressor.scoring_pass is not None:
             raise ValueError(
                 f"policy {policy.name!r} scores the prompt in a pass of its own after prefill (KVzip's "
                 "reconstruction), which needs the prompt's tokens; prefill it on its own"
             )
-    compressors = [p for p in policies if p.compresses]
     return CapturePolicy(
         window=max((p.window_size for p in compressors), default=0),
         accumulate=any(p.accumulates_attention for p in compressors),
@@ -100,18 +100,20 @@ def derive(model: Model, shared: SharedPrefill, policy: Policy | None) -> tuple[
     policy = policy_or_full(policy)
     capture_for([policy])  # the chunk-schedule check
     state = jax.tree.map(jnp.copy, shared.state)
-    if not (policy.compresses and policy.accumulates_attention):
+    compressor = policy.compressor
+    if compressor is None or not compressor.accumulates_attention:
         state = state.replace(slot_score=jnp.zeros_like(state.slot_score))
-    if not policy.compresses:
-        return policy.attach_sketch(state), shared.logits
-    if policy.window_size > shared.capture.window or (policy.accumulates_attention and not shared.capture.accumulate):
+    if compressor is None:
+        return (state if policy.selector is None else policy.selector.attach_sketch(state)), shared.logits
+    if compressor.window_size > shared.capture.window or (compressor.accumulates_attention
+                                                           and not shared.capture.accumulate):
         raise ValueError(
             f"policy {policy.name!r} reads what the shared prefill did not gather ({shared.capture}); include it "
             "in shared_prefill's policies"
         )
     window = None
-    if policy.window_size:
-        have, w = shared.capture.window, policy.window_size
+    if compressor.window_size:
+        have, w = shared.capture.window, compressor.window_size
         window = {"q": shared.window["q"][:, :, have - w :], "pos": shared.window["pos"][:, have - w :]}
     state = compress_prefilled(model, state, window, policy, shared.prompt_lengths, shared.reserve_tokens)
     return state, shared.logits

@@ -13,10 +13,12 @@ import jax.numpy as jnp
 
 from kvjax.cache.attention import attention_column_sums, blocked_paged_attention
 from kvjax.cache.compaction import compact_layer
-from kvjax.engine.decode import SLOT_FIELDS, VIEW_LAYOUTS, decode_forward, decode_plans, layer_view, page_view
+from kvjax.engine.decode import (
+    SLOT_FIELDS, VIEW_LAYOUTS, decode_forward, decode_plans, new_sketch_rows, page_view, prompt_view, slot_fields,
+)
 from kvjax.models.config import ModelConfig
 from kvjax.models import CausalLM, Segment, segments_by
-from kvjax.policies import LayerView, Policy
+from kvjax.policies import Policy, layer_roles
 from kvjax.models.rope import rope_frequencies
 from kvjax.cache.state import (
     KVState,
@@ -36,15 +38,14 @@ LayerAttend = Callable[[Any, Any, KVState, Any], tuple[jax.Array, KVState, Any]]
 
 
 def layer_segments(policy: Policy, state: KVState, num_layers: int, windows: tuple = ()) -> tuple[tuple[int, int], ...]:
-    """Runs `(start, stop)` of layers the step treats alike at trace time: whether `policy` compresses them,
-    whether it selects pages in them, how many pages they read and their sliding window (`windows`, the
+    """Runs `(start, stop)` of layers the step treats alike at trace time: the roles `policy` plays in them
+    (`layer_roles`), how many pages they read and their sliding window (`windows`, the
     model's `ModelConfig.windows`; empty: none). Usually one or two runs (dense layers first), so the
     steps' compile time does not grow with depth (a model alternating windows, Gemma-2's, has one run a
     layer)."""
     return segments_by(
         num_layers,
-        lambda l: (policy.compresses_layer(l), policy.selects_pages(l), state.layer_read_pages(l),
-                   windows[l] if windows else 0),
+        lambda l: (layer_roles(policy, l), state.layer_read_pages(l), windows[l] if windows else 0),
     )
 
 
@@ -55,9 +56,7 @@ def append_and_attend(state: KVState, layer, q, k, v, positions, num_new, *, pol
     (`blocked_paged_attention`). `score f32[B, C, H]` becomes the new slots' `slot_score`. With `accumulate`
     (H2O) each slot's attention from the chunk's real queries (summed over the group) is added to
     `slot_score`, block by block (`attention_column_sums`). Returns `(state, out [B, C, Hq, D])`."""
-    sketch = None
-    if state.key_sketch is not None and policy.keeps_key_sketch:  # a selector's per-slot key sketch
-        sketch = policy.sketch_keys(state.key_sketch, layer, k)
+    sketch = new_sketch_rows(policy, state, layer, k)  # a selector's per-slot key sketch
     state = append_to_layer(state, layer, k, v, positions, num_new, score=score, sketch=sketch)
     if not accumulate:
         return state, blocked_paged_attention(q, positions, state, layer)
@@ -91,10 +90,10 @@ class PrefillRoles(NamedTuple):
 
 
 def prefill_roles(policy: Policy, layer: int) -> PrefillRoles:
-    """The roles the policy plays in `layer` (a plain int: the first of its segment) in a prefill chunk."""
-    compressed = policy.compresses and policy.compresses_layer(layer)
-    return PrefillRoles(accumulate=compressed and policy.accumulates_attention,
-                        chunks=policy.chunks if compressed else None)
+    """What the policy's compressor asks of a prefill chunk in `layer` (a plain int: the first of its segment)."""
+    if not layer_roles(policy, layer).compress:
+        return PrefillRoles(accumulate=False, chunks=None)
+    return PrefillRoles(accumulate=policy.compressor.accumulates_attention, chunks=policy.compressor.chunks)
 
 
 # ------------------------------------------------------------------------------------- window carry
@@ -177,7 +176,7 @@ _ALLOCATION_FIELDS = ("page_table", "num_free", "refcount", "kmin", "kmax", "slo
 class OneDevice:
     """Where the steps' state lives: here one whole `KVState` on one device. Every call that reads or writes
     pages goes through `per_shard(fn, in_layouts, out_layouts)`; a policy's decisions (`compress_layer`,
-    `decode_scores`) run outside it on the whole `LayerView`. `kvjax.distributed.MeshPlacement` runs the
+    `decode_scores`) run outside it on the whole `PromptView` / `DecodeView`. `kvjax.distributed.MeshPlacement` runs the
     same calls per shard of a stacked state under `shard_map`, so the steps below are written once."""
 
     sharded = False
@@ -210,11 +209,6 @@ def _allocate(state: KVState, num_new, *, C: int, placement: OneDevice):
     return new, jnp.where(ok, num_new, 0)
 
 
-def _view_parts(state: KVState, layer, next_position, *, num_layers: int) -> dict:
-    view = layer_view(state, layer, num_layers, next_position)
-    return {name: getattr(view, name) for name in SLOT_FIELDS}
-
-
 # ---------------------------------------------------------------------------------------------- steps
 
 
@@ -228,7 +222,7 @@ def append_step(
     """Append `tokens int32[B, C]` (the first `num_new int32[B]` of each row are real) to every layer and
     attend. `params` is the model's parameter tree, `window` the prefill carry (`new_window`, or None),
     `last_logits f32[B, V]` the logits to keep for rows with nothing new, `policy_params` the arrays of the
-    policy's chunk schedule (`policy.chunks.params`, Locret's heads) in prefill, else None. `placement`:
+    compressor's chunk schedule (`compressor.chunks.params`, Locret's heads) in prefill, else None. `placement`:
     where the state lives (`OneDevice`, or a mesh's stacked state, `kvjax.distributed.MeshPlacement`).
 
     One token per row with no prefill carry is a decode step (`kvjax.engine.decode`: the policy's page
@@ -289,9 +283,9 @@ def append_step(
 
 
 def compressed_layer(policy: Policy, layer: int, windows: tuple = ()) -> bool:
-    """Whether the policy compresses `layer`: one it compresses, outside a sliding window (`windows`, the
-    model's `ModelConfig.windows`), whose own eviction rules there."""
-    return policy.compresses_layer(layer) and not (windows and windows[layer])
+    """Whether the policy compresses `layer`: one its compressor acts in, outside a sliding window (`windows`,
+    the model's `ModelConfig.windows`), whose own eviction rules there."""
+    return layer_roles(policy, layer).compress and not (windows and windows[layer])
 
 
 def compress_segments(policy: Policy, state: KVState, num_layers: int, windows: tuple = ()) -> tuple[tuple[int, int], ...]:
@@ -302,19 +296,19 @@ def compress_segments(policy: Policy, state: KVState, num_layers: int, windows: 
 
 
 def pooled_threshold(state: KVState, policy: Policy, num_layers: int, windows: tuple, next_position) -> jax.Array:
-    """f32[B]: the `policy.pooled_budget * H * L'`-th best slot score over the L' compressed layers' valid
+    """f32[B]: the `compressor.pooled_budget * H * L'`-th best slot score over the L' compressed layers' valid
     slots (-inf where they hold fewer): what a slot needs to be kept when the budget is pooled."""
     flat = []
     for start, stop in compress_segments(policy, state, num_layers, windows):
         local = state.for_layers(start, stop)
 
         def scores(layer, local=local):
-            view = layer_view(local, layer, num_layers, next_position)
-            return jnp.where(view.valid, view.slot_score, -jnp.inf)  # [B, H, S]
+            slots = slot_fields(local, layer)
+            return jnp.where(slots["valid"], slots["slot_score"], -jnp.inf)  # [B, H, S]
 
         part = jax.lax.map(scores, jnp.arange(start, stop, dtype=jnp.int32))  # [l, B, H, S]
         flat.append(jnp.moveaxis(part, 1, 0).reshape(part.shape[1], -1))
-        count = policy.pooled_budget * part.shape[2]  # per layer
+        count = policy.compressor.pooled_budget * part.shape[2]  # per layer
     flat = jnp.concatenate(flat, axis=-1)  # [B, L' * H * S]
     count = min(count * sum(b - a for a, b in compress_segments(policy, state, num_layers, windows)), flat.shape[-1])
     return jax.lax.top_k(flat, count)[0][:, -1]
@@ -333,14 +327,12 @@ def compress_step(
     bound each layer's pages to `read_pages`. `window` is the prefill carry; `final bool[B]` (per-chunk
     compression): whether this was each sequence's last prefill chunk. The policy decides on each layer's
     whole view; the pages are compacted where they live (`placement`, as in `append_step`)."""
+    compressor = policy.compressor
     next_position = placement.next_position(state)
-    view_parts = placement.per_shard(
-        functools.partial(_view_parts, num_layers=num_layers), ("state", "", "b"),
-        {name: VIEW_LAYOUTS[name] for name in SLOT_FIELDS},
-    )
+    view_parts = placement.per_shard(slot_fields, ("state", ""), {name: VIEW_LAYOUTS[name] for name in SLOT_FIELDS})
     compact = placement.per_shard(compact_layer, ("state", "", "bhs", "bh"), "state")
     threshold = None
-    if policy.pooled_budget is not None:
+    if compressor.pooled_budget is not None:
         if placement.sharded:
             raise NotImplementedError(f"policy {policy.name!r}: a budget pooled over layers runs on one device")
         threshold = pooled_threshold(state, policy, num_layers, windows, next_position)
@@ -348,10 +340,9 @@ def compress_step(
 
         def body(state, layer, start=start, stop=stop):
             local = state.for_layers(start, stop)
-            extra = {} if window is None else {"window_q": window["q"][layer], "window_pos": window["pos"]}
-            view = LayerView(layer=layer, num_layers=num_layers, next_position=next_position, final_chunk=final,
-                             pool_threshold=threshold, **view_parts(local, layer, next_position), **extra)
-            keep_slots, keep_count = policy.compress_layer(view, keep_bound)
+            view = prompt_view(local, layer, num_layers, next_position, final, window, threshold,
+                               slots=view_parts(local, layer))
+            keep_slots, keep_count = compressor.compress_layer(view, keep_bound)
             return compact(local, layer, keep_slots, keep_count).replace(read_pages=state.read_pages)
 
         state = scan_layers(body, state, start, stop)
@@ -402,9 +393,9 @@ __all__ = [
     "keep_last",
     "prefill_roles",
     "layer_segments",
-    "layer_view",
     "local_state",
     "new_window",
     "page_view",
+    "prompt_view",
     "scan_layers",
 ]

@@ -1,8 +1,8 @@
 """KV-cache policies: one small file per method, registered by name for `kvjax.make_policy`."""
 
 from kvjax.policies.base import (
-    POLICY_REGISTRY, ChunkSchedule, FullPolicy, LayerView, Policy, Preset, ScoringPass, make_policy,
-    register_policy, register_preset,
+    POLICY_REGISTRY, ChunkSchedule, Compressor, DecodeEvictor, DecodeView, FullPolicy, LayerRoles, PageView, Policy,
+    Preset, PromptView, ScoringPass, Selector, layer_roles, make_policy, register_policy, register_preset,
 )
 from kvjax.policies.eviction import ScoredEviction
 from kvjax.policies.snapkv import SnapKV
@@ -23,7 +23,8 @@ from kvjax.policies.key_int4 import KeyInt4
 from kvjax.policies.options import parse_spec
 
 __all__ = [
-    "POLICY_REGISTRY", "AdaKV", "ChunkSchedule", "Compose", "Quest", "QuestAdaptive", "QuestStatic", "FullPolicy", "H2O", "KVzip", "LayerView", "Locret", "Policy", "PyramidKV",
+    "POLICY_REGISTRY", "AdaKV", "ChunkSchedule", "Compose", "Quest", "QuestAdaptive", "QuestStatic", "FullPolicy", "H2O", "KVzip", "Locret", "Policy", "PyramidKV",
     "Preset", "ScoredEviction", "ScoringPass", "SnapKV", "StreamingLLM", "TOVA", "make_policy", "register_policy", "register_preset",
     "KeyInt4", "Loki", "OraclePage", "OracleToken", "parse_spec",
+    "Compressor", "DecodeEvictor", "DecodeView", "LayerRoles", "PageView", "PromptView", "Selector", "layer_roles",
 ]

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.policies.base import (
-    POLICY_REGISTRY, LayerView, Policy, make_policy, register_policy, register_preset, take_roles,
+    POLICY_REGISTRY, Compressor, Policy, PromptView, make_policy, register_policy, register_preset,
 )
 from kvjax.policies.eviction import NEG, ScoredEviction, keep_top
 from kvjax.policies.snapkv import SnapKV
@@ -29,7 +29,7 @@ def head_counts(scores: jax.Array, total, most: int | None = None) -> jax.Array:
     return jax.vmap(lambda h: jnp.bincount(h, length=H + 1)[:H])(heads).astype(jnp.int32)
 
 
-def adaptive_budgets(policy, view: LayerView, scores: jax.Array, per_head: tuple[int, ...]) -> jax.Array:
+def adaptive_budgets(policy, view: PromptView, scores: jax.Array, per_head: tuple[int, ...]) -> jax.Array:
     """int32[B, H] per-head budgets (window included) for the view's layer, whose uniform per-head budget is
     `per_head[layer]` (every layer's, static; taken at the traced `view.layer` as data)."""
 
@@ -57,9 +57,10 @@ def adaptive_budgets(policy, view: LayerView, scores: jax.Array, per_head: tuple
 
 
 @register_policy("ada")
-@take_roles(scorer=("compress",))  # the scorer's inputs and sizes; the members defined below are Ada's own
 @dataclasses.dataclass(frozen=True)
-class AdaKV(Policy):
+class AdaKV(Policy, Compressor):
+    """The compressor: Ada's allocation over `scorer`'s scores, in the scorer's layers, with its inputs."""
+
     scorer: Any = dataclasses.field(default_factory=SnapKV)
     alpha: float = 0.5
     form: str = "paper"
@@ -89,6 +90,18 @@ class AdaKV(Policy):
     def token_budget(self) -> int:
         return self.scorer.token_budget
 
+    # what the scorer reads, it reads under Ada too
+    @property
+    def window_size(self) -> int:
+        return self.scorer.window_size
+
+    @property
+    def accumulates_attention(self) -> bool:  # type: ignore[override]
+        return self.scorer.accumulates_attention
+
+    def compresses_layer(self, layer: int) -> bool:
+        return self.scorer.compresses_layer(layer)
+
     def validate(self, page_size: int) -> None:
         if not isinstance(self.scorer, ScoredEviction):
             raise TypeError(f"ada: scorer must be a scored eviction policy (snapkv, h2o, tova, ...), got {self.scorer!r}")
@@ -106,7 +119,7 @@ class AdaKV(Policy):
     def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
         return min(prompt_len, num_kv_heads * max(self.scorer.layer_budgets(2)))
 
-    def compress_layer(self, view: LayerView, keep_bound: int):
+    def compress_layer(self, view: PromptView, keep_bound: int):
         scores = jnp.where(view.valid, self.scorer.scores(view), NEG)
         budgets = adaptive_budgets(self, view, scores, self.scorer.layer_budgets(view.num_layers))
         return keep_top(scores, jnp.minimum(budgets, view.lengths), keep_bound)

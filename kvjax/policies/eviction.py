@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache.attention import masked_attention
-from kvjax.policies.base import LayerView, Policy
+from kvjax.policies.base import Compressor, DecodeView, Policy, PromptView
 
 NEG = -jnp.inf
 
@@ -29,7 +29,7 @@ def _check_budget(policy, window: int = 0, window_name: str = "window_size") -> 
 
 
 @dataclasses.dataclass(frozen=True)
-class ScoredEviction(Policy):
+class ScoredEviction(Policy, Compressor):
     """Keep, per (sequence, kv-head), the `head_budgets` highest-`scores` slots of the prompt."""
 
     token_budget: int = 128
@@ -52,16 +52,17 @@ class ScoredEviction(Policy):
     def kept_bound(self, prompt_len: int, num_kv_heads: int) -> int:
         return min(prompt_len, max(self.layer_budgets(2)))
 
-    def scores(self, view: LayerView) -> jax.Array:
-        """f32[B, H, S], higher = keep; -inf where a slot is invalid."""
+    def scores(self, view: PromptView | DecodeView) -> jax.Array:
+        """f32[B, H, S], higher = keep; -inf where a slot is invalid. A decode-time evictor may score its
+        `DecodeView` with it too (the slot fields are the same)."""
         raise NotImplementedError
 
-    def head_budgets(self, view: LayerView, scores: jax.Array) -> jax.Array:
+    def head_budgets(self, view: PromptView, scores: jax.Array) -> jax.Array:
         """int32[B, H] slots to keep per head (before clamping to the length): the layer's budget."""
         budget = jnp.asarray(self.layer_budgets(view.num_layers), jnp.int32)[view.layer]
         return jnp.full(view.lengths.shape, budget, jnp.int32)
 
-    def compress_layer(self, view: LayerView, keep_bound: int):
+    def compress_layer(self, view: PromptView, keep_bound: int):
         scores = jnp.where(view.valid, self.scores(view), NEG)
         budgets = jnp.minimum(self.head_budgets(view, scores), view.lengths)
         return keep_top(scores, budgets, keep_bound)
@@ -77,7 +78,7 @@ def keep_top(scores: jax.Array, budgets: jax.Array, keep_bound: int):
     return jnp.where(keep < S, keep, -1).astype(jnp.int32), budgets.astype(jnp.int32)
 
 
-def window_attention(view: LayerView) -> jax.Array:
+def window_attention(view: PromptView) -> jax.Array:
     """Softmax attention of the window queries over the layer's slots, averaged over the window:
     f32[B, H, G, S]. Causal by original position; rows before the prompt start are ignored."""
     q, qpos = view.window_q, view.window_pos  # [B, w, Hq, D], [B, w]
@@ -105,6 +106,6 @@ def pool_scores(scores: jax.Array, kernel: int, pooling: str, region: jax.Array)
     raise ValueError(f"pooling must be 'max' or 'avg', got {pooling!r}")
 
 
-def recent(view: LayerView, count) -> jax.Array:
+def recent(view: PromptView | DecodeView, count) -> jax.Array:
     """bool[B, H, S]: slots among the newest `count` positions of each sequence."""
     return view.valid & (view.slot_pos >= view.next_position[:, None, None] - count)

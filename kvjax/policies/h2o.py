@@ -8,13 +8,13 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.policies.base import LayerView, register_policy
+from kvjax.policies.base import DecodeEvictor, DecodeView, PromptView, register_policy
 from kvjax.policies.eviction import ScoredEviction, _check_budget, recent
 
 
 @register_policy("h2o")
 @dataclasses.dataclass(frozen=True)
-class H2O(ScoredEviction):
+class H2O(ScoredEviction, DecodeEvictor):
     recent_size: int | None = None
     accumulates_attention = True
 
@@ -34,8 +34,8 @@ class H2O(ScoredEviction):
         # the cache grows to budget + 1 before a decode step evicts
         return min(prompt_len + max_new_tokens, max(prompt_len, self.token_budget + 1))
 
-    def scores(self, view: LayerView):
+    def scores(self, view: PromptView):
         return jnp.where(recent(view, self.recent), jnp.inf, view.slot_score)
 
-    def decode_scores(self, view: LayerView):
+    def decode_scores(self, view: DecodeView):
         return self.scores(view)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache.state import KeySketch, KVState, gather_layer
-from kvjax.policies.base import LayerView
+from kvjax.policies.base import PageView
 from kvjax.policies.quest import Quest
 
 
@@ -60,7 +60,7 @@ class SketchSelect(Quest):
         params = jax.tree.map(lambda x: x[layer], sketch.params)
         return jnp.swapaxes(self.codes(params, jnp.swapaxes(k, 1, 2)), 1, 2)
 
-    def page_bounds(self, view: LayerView, backend: str | None = None) -> jax.Array:
+    def page_bounds(self, view: PageView, backend: str | None = None) -> jax.Array:
         """Each page's best sketched score, `f32[B, Hq or H, P]`; -inf for the current page and past the used.
         `backend` as `sketch_page_scores`' (None: the platform's)."""
         from kvjax.pallas_kernels.sketch_scores import sketch_page_scores

@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import LayerView, Policy, ScoringPass, register_policy
+from kvjax.policies.base import Compressor, Policy, PromptView, ScoringPass, register_policy
 from kvjax.policies.eviction import NEG, _check_budget, keep_top
 
 FIRST = "\n\nRepeat the previous context exactly."
@@ -30,7 +30,7 @@ def top_members(scores: jax.Array, count: int) -> jax.Array:
 
 @register_policy("kvzip")
 @dataclasses.dataclass(frozen=True)
-class KVzip(Policy):
+class KVzip(Policy, Compressor):
     token_budget: int = 128  # slots kept per kv head and compressed layer, on average over what `pool` spans
     pool: str = "all"  # the budget pooled over all compressed layers and heads, over a layer's heads, or per head
     sink_size: int = 4  # first prompt slots always kept (kvpress's n_sink)
@@ -75,7 +75,7 @@ class KVzip(Policy):
             keep = jnp.moveaxis(keep.reshape(B, L, H, S), 0, 1)
         return jnp.where(keep, scores, NEG)
 
-    def compress_layer(self, view: LayerView, keep_bound: int):
+    def compress_layer(self, view: PromptView, keep_bound: int):
         """Each head keeps its slots the pooled scores left above -inf (`pool_scores`, after the scoring pass)."""
         scores = jnp.where(view.valid, view.slot_score, NEG)
         return keep_top(scores, (scores > NEG).sum(-1).astype(jnp.int32), keep_bound)

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import ChunkSchedule, LayerView, Policy, register_policy
+from kvjax.policies.base import ChunkSchedule, Compressor, Policy, PromptView, register_policy
 from kvjax.policies.eviction import NEG, keep_top, recent
 
 POOLS = ("all", "head")
@@ -34,7 +34,7 @@ def _as_heads(heads):
 
 @register_policy("locret")
 @dataclasses.dataclass(frozen=True)
-class Locret(Policy):
+class Locret(Policy, Compressor):
     token_budget: int = 128  # slots a head keeps after prefill, local_tail included
     stabilizers: int = 32  # n_s: the newest slots kept at each non-final chunk
     local_tail: int = 16  # n_loc: last prompt tokens appended without eviction
@@ -94,9 +94,8 @@ class Locret(Policy):
     def chunks(self) -> ChunkSchedule:
         return ChunkSchedule(tail=self.local_tail, score=_retaining_scores, params=self.heads.stacked)
 
-    def compress_layer(self, view: LayerView, keep_bound: int):
-        final = jnp.ones(view.lengths.shape[:1], bool) if view.final_chunk is None else view.final_chunk
-        stable = recent(view, self.stabilizers) & ~final[:, None, None]
+    def compress_layer(self, view: PromptView, keep_bound: int):
+        stable = recent(view, self.stabilizers) & ~view.final_chunk[:, None, None]
         scores = jnp.where(stable, jnp.inf, view.slot_score)
         scores = jnp.where(view.valid, scores, NEG)
         if view.pool_threshold is None:

@@ -10,11 +10,11 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import LayerView, register_policy
+from kvjax.policies.base import PageView, register_policy
 from kvjax.policies.quest import Quest
 
 
-def exact_page_scores(view: LayerView, page_table, page_size: int, per_kv_head: bool) -> jax.Array:
+def exact_page_scores(view: PageView, page_table, page_size: int, per_kv_head: bool) -> jax.Array:
     """f32[B, Hq or H, P]: max over each logical page's slots of q.k (-inf at the current page and past the
     used pages), pages of `view.k_pages` (reshaped to `page_size` slots) listed by `page_table`."""
     from kvjax.pallas_kernels.sketch_scores import sketch_page_scores
@@ -30,16 +30,16 @@ def exact_page_scores(view: LayerView, page_table, page_size: int, per_kv_head: 
 @register_policy("oracle_page")
 @dataclasses.dataclass(frozen=True)
 class OraclePage(Quest):
-    def page_bounds(self, view: LayerView) -> jax.Array:
+    def page_bounds(self, view: PageView) -> jax.Array:
         return exact_page_scores(view, view.page_table, view.page_size, self.per_kv_head)
 
 
 @register_policy("oracle_token")
 @dataclasses.dataclass(frozen=True)
 class OracleToken(Quest):
-    selects_slots: ClassVar[bool] = True
+    unit: ClassVar[str] = "slot"  # lists single slots: decode reads them, not pages
 
-    def select_pages(self, view: LayerView) -> jax.Array:
+    def select_pages(self, view: PageView) -> jax.Array:
         """Slots `int32[B, Hq or H, token_budget - 1]` (-1 = none) in the layer's logical slot order."""
         from kvjax import pallas_kernels
         from kvjax.cache.attention import slot_table

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvjax.policies.base import LayerView, Policy
+from kvjax.policies.base import PageView, Policy, Selector
 from kvjax.policies.compose import Compose
 from kvjax.policies.quest_adaptive import selected_page_counts
 
@@ -34,8 +34,8 @@ class PageReads:
 
 
 @dataclasses.dataclass(frozen=True)
-class CountingSelect(Policy):
-    """`inner`'s page selection, reporting each selection's page counts to `tally`."""
+class CountingSelect(Policy, Selector):
+    """`inner`'s page selection (a selecting policy's), reporting each selection's page counts to `tally`."""
 
     inner: Any = None
     tally: Any = None
@@ -50,10 +50,10 @@ class CountingSelect(Policy):
         self.inner.validate(page_size)
 
     def selects_pages(self, layer: int) -> bool:
-        return self.inner.selects_pages(layer)
+        return self.inner.selector.selects_pages(layer)
 
-    def select_pages(self, view: LayerView):
-        selected = self.inner.select_pages(view)
+    def select_pages(self, view: PageView):
+        selected = self.inner.selector.select_pages(view)
         if selected is not None:
             jax.debug.callback(self.tally.add, selected_page_counts(selected))
         return selected

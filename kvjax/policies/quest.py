@@ -8,12 +8,12 @@ import dataclasses
 
 import jax
 
-from kvjax.policies.base import LayerView, Policy, register_policy
+from kvjax.policies.base import PageView, Policy, Selector, register_policy
 
 
 @register_policy("quest")
 @dataclasses.dataclass(frozen=True)
-class Quest(Policy):
+class Quest(Policy, Selector):
     token_budget: int = 64  # slots a decode step reads per head (selected pages plus the current one)
     page_size: int | None = None  # must equal the cache's; None takes the cache's
     dense_layers: int = 2
@@ -37,10 +37,7 @@ class Quest(Policy):
     def pages_to_select(self, page_size: int) -> int:
         return self.token_budget // page_size - 1
 
-    def selects_pages(self, layer: int) -> bool:
-        return layer >= self.dense_layers
-
-    def page_bounds(self, view: LayerView) -> jax.Array:
+    def page_bounds(self, view: PageView) -> jax.Array:
         """Quest's bound of q.k per logical page, `f32[B, Hq or H, P]`; -inf for the current page and pages
         past the length."""
         from kvjax import pallas_kernels
@@ -50,7 +47,7 @@ class Quest(Policy):
             per_kv_head=self.per_kv_head,
         )
 
-    def select_pages(self, view: LayerView) -> jax.Array:
+    def select_pages(self, view: PageView) -> jax.Array:
         """Logical pages `int32[B, Hq or H, K]` (-1 = none): each head's top K = token_budget // ps - 1."""
         from kvjax import pallas_kernels
 

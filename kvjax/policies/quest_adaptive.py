@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import LayerView, register_policy
+from kvjax.policies.base import PageView, register_policy
 from kvjax.policies.quest import Quest
 
 
@@ -55,7 +55,7 @@ class QuestAdaptive(Quest):
                 f"{self.pages_to_select(page_size)}], got {self.min_pages}"
             )
 
-    def select_pages(self, view: LayerView) -> jax.Array:
+    def select_pages(self, view: PageView) -> jax.Array:
         """Logical pages `int32[B, Hq or H, K]` (-1 = none), K = token_budget // ps - 1."""
         cap = self.pages_to_select(view.page_size)
         return top_p_pages(self.page_bounds(view), view.q.shape[-1] ** -0.5, self.top_p, self.min_pages, cap)

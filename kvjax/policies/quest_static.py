@@ -9,7 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import LayerView, register_policy
+from kvjax.policies.base import PromptView, register_policy
 from kvjax.policies.eviction import ScoredEviction
 
 
@@ -30,10 +30,10 @@ class QuestStatic(ScoredEviction):
         if self.token_budget < 2 * page_size:
             raise ValueError(f"quest_static: token_budget must be >= 2 * page_size = {2 * page_size}")
 
-    def head_budgets(self, view: LayerView, scores: jax.Array) -> jax.Array:
+    def head_budgets(self, view: PromptView, scores: jax.Array) -> jax.Array:
         return jnp.full(view.lengths.shape, (self.token_budget // self.page_size) * self.page_size, jnp.int32)
 
-    def scores(self, view: LayerView) -> jax.Array:
+    def scores(self, view: PromptView) -> jax.Array:
         B, H, S, D = view.k.shape
         ps = self.page_size
         P = -(-S // ps)

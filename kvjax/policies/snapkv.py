@@ -8,7 +8,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.policies.base import LayerView, register_policy
+from kvjax.policies.base import PromptView, register_policy
 from kvjax.policies.eviction import NEG, ScoredEviction, _check_budget, pool_scores, recent, window_attention
 
 
@@ -35,13 +35,13 @@ class SnapKV(ScoredEviction):
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"{self.name}: pooling must be 'max' or 'avg', got {self.pooling!r}")
 
-    def prefix_scores(self, view: LayerView):
+    def prefix_scores(self, view: PromptView):
         """(pooled prefix scores f32[B, H, S] (-inf outside the prefix), window mask bool[B, H, S])."""
         votes = window_attention(view).mean(axis=2)  # GQA: mean over the group
         in_window = recent(view, self.window)
         prefix = view.valid & ~in_window
         return jnp.where(prefix, pool_scores(votes, self.kernel_size, self.pooling, prefix), NEG), in_window
 
-    def scores(self, view: LayerView):
+    def scores(self, view: PromptView):
         pooled, in_window = self.prefix_scores(view)
         return jnp.where(in_window, jnp.inf, pooled)

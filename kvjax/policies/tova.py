@@ -8,7 +8,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.policies.base import LayerView, register_policy
+from kvjax.policies.base import DecodeEvictor, DecodeView, PromptView, register_policy
 from kvjax.policies.eviction import ScoredEviction, window_attention
 
 
@@ -19,7 +19,7 @@ def _head_average(probs):  # [B, H, G, S] -> [B, H, S], the same row for every k
 
 @register_policy("tova")
 @dataclasses.dataclass(frozen=True)
-class TOVA(ScoredEviction):
+class TOVA(ScoredEviction, DecodeEvictor):
     @property
     def window_size(self) -> int:
         return 1
@@ -32,9 +32,9 @@ class TOVA(ScoredEviction):
         # the cache grows to budget + 1 before a decode step evicts
         return min(prompt_len + max_new_tokens, max(prompt_len, self.token_budget + 1))
 
-    def scores(self, view: LayerView):
+    def scores(self, view: PromptView):
         newest = view.slot_pos == view.next_position[:, None, None] - 1
         return jnp.where(newest, jnp.inf, _head_average(window_attention(view)))
 
-    def decode_scores(self, view: LayerView):
+    def decode_scores(self, view: DecodeView):
         return _head_average(view.probs)

@@ -135,8 +135,9 @@ class _Batch:
         # rows whose pages never change after prefill (no compression, no decode-time eviction: those layers
         # get groups of their own, which cache nothing) and whose page metadata is not fitted to each prompt
         # (a selector's key sketch) share and cache whole-block prefixes
+        selector = self.policy.selector
         self.pool = RowPool(cfg, self.policy, heads, engine.page_size, jnp.dtype(engine.model.cache_dtype).name,
-                            engine.pool_pages, default, caching=not self.policy.keeps_key_sketch,
+                            engine.pool_pages, default, caching=selector is None or not selector.keeps_key_sketch,
                             uniform=engine.uniform_pages)
         state = engine.backend.new_state(cfg, R, engine.capacity, engine.page_size, self.pool.num_pages,
                                          engine.model.cache_dtype, long_rope, None)
@@ -409,7 +410,8 @@ class BatchEngine:
         head = prompt[: len(prompt) - tail]
         boundaries = chunk_boundaries(head, self.chunk_size)
         resume = on_chunk = None
-        if self.prefix is not None and not (request.policy.compresses and request.policy.chunks is not None):
+        compressor = request.policy.compressor
+        if self.prefix is not None and not (compressor is not None and compressor.chunks is not None):
             # what else shapes the prefill's carry (the model is the engine's)
             key = (request.policy, uses_long_factors(model.cfg, declared), self.capacity, self.page_size,
                    self.chunk_size, str(model.cache_dtype))
