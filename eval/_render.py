@@ -85,10 +85,9 @@ def start_load(payload) -> float | None:
 
 
 def others_cores(payload) -> float | None:
-    """The most cores other processes took on average during the run (`others_cpu`, eval/_report.py), over
+    """The most cores other processes took on average during the run (`others_cpu`, eval/lib/report.py), over
     several runs the highest; None when any run did not record it."""
-    cores = [run.get("others_cpu", {}).get("cores") if isinstance(run.get("others_cpu"), dict) else None
-             for run in (payload if isinstance(payload, list) else [payload])]
+    cores = [(run.get("others_cpu") or {}).get("cores") for run in (payload if isinstance(payload, list) else [payload])]
     return None if None in cores else max(cores)
 
 

@@ -314,13 +314,9 @@ def pytest_sessionfinish(session, exitstatus):
 # ------------------------------------------------------------------ CPU seconds per test (eval.bench_tests)
 
 if os.environ.get("KVJAX_TEST_CPU_LOG"):
-    import resource
     import time
 
-    def _cpu_seconds() -> float:
-        """This process's CPU seconds and its reaped children's (the worker runs a test waits for)."""
-        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    from kvjax.eval.lib.report import own_cpu_seconds as _cpu_seconds
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):

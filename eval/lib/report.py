@@ -137,9 +137,14 @@ def cpu_seconds() -> tuple[float, float, float] | None:
             ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
     except OSError:
         return None
-    own = os.times()
     busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-    return time.monotonic(), busy, own.user + own.system + own.children_user + own.children_system
+    return time.monotonic(), busy, own_cpu_seconds()
+
+
+def own_cpu_seconds() -> float:
+    """This process's CPU seconds with its reaped children's (the workers it waited for)."""
+    own = os.times()
+    return own.user + own.system + own.children_user + own.children_system
 
 
 CPU_AT_START = cpu_seconds()  # when a program first imports this module
