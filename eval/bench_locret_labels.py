@@ -110,19 +110,24 @@ COLUMNS = [
 ]
 
 
-def render(payload: dict) -> str:
+def render(payload: dict, columns: list[tuple[str, str]] = COLUMNS) -> str:
     def cell(r, key):
         value = r.get(key, "")
         return round(value) if key.endswith("_mib") and isinstance(value, float) else value
 
-    rows = [[r["prefix_tokens"], r["error"], *[""] * (len(COLUMNS) - 2)] if "error" in r
-            else [cell(r, key) for _, key in COLUMNS] for r in payload["results"]]
+    rows = [[r["prefix_tokens"], r["error"], *[""] * (len(columns) - 2)] if "error" in r
+            else [cell(r, key) for _, key in columns] for r in payload["results"]]
     s = payload["settings"]
-    return (markdown_table([name for name, _ in COLUMNS], rows)
+    return (markdown_table([name for name, _ in columns], rows)
             + f"\n{s['model']}, {s['mode']}, {s['dtype']}, answer {s['answer']} tokens, chunk {s['chunk']}"
             + (f", heads hidden {s['hidden']}" if s["mode"] == "step" else "")
             + (", compiled only (not run: peak RSS is the compile's)" if s["compile_only"] else "")
             + f"; one process per point; {payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores.\n")
+
+
+def render_memory(payload: dict) -> str:
+    """The table without its seconds: for runs whose times were taken with other work on the cores."""
+    return render(payload, [c for c in COLUMNS if not c[1].endswith("_s")])
 
 
 def main(argv=None) -> dict:

@@ -46,14 +46,19 @@ def parse(output: str) -> dict:
 
 def cpu_by_file(cpu_log: str) -> dict:
     """Per-file CPU seconds (the test processes' own and their reaped worker processes') from the log
-    tests/conftest.py writes, and their sum: what the 2 cores spent, where wall seconds overlap."""
+    tests/conftest.py writes, their sum (what the 2 cores spent, where wall seconds overlap), and the 60
+    costliest tests."""
     by_file: dict[str, float] = collections.defaultdict(float)
+    by_test: dict[str, float] = {}
     with open(cpu_log) as log:
         for line in log:
             cpu, _, test = line.rstrip("\n").split("\t")
             by_file[test.split("::")[0]] += float(cpu)
+            by_test[test] = by_test.get(test, 0.0) + float(cpu)
+    costliest = sorted(by_test.items(), key=lambda kv: -kv[1])[:60]
     return {"cpu_s": round(sum(by_file.values()), 1),
-            "files_cpu_s": {f: round(s, 1) for f, s in sorted(by_file.items(), key=lambda kv: -kv[1])}}
+            "files_cpu_s": {f: round(s, 1) for f, s in sorted(by_file.items(), key=lambda kv: -kv[1])},
+            "tests_cpu_s": {t: round(s, 1) for t, s in costliest}}
 
 
 def run(whole: bool) -> dict:

@@ -44,7 +44,7 @@ import time
 import traceback
 from typing import Callable
 
-from .lib.report import (RUN_KIND, cpu_load, default_out, device_tag, markdown_table, measure_large_read, share_of_large_read,
+from .lib.report import (RUN_KIND, cpu_load, others_cpu, default_out, device_tag, markdown_table, measure_large_read, share_of_large_read,
                       usable_cpus, write_outputs)
 from .lib.setups import attention_heavy_config
 
@@ -418,7 +418,7 @@ def main(argv=None) -> dict:
         "note": args.note, "device": tag,
         "settings": {"preset": "quick" if args.quick else "default", "dtype": args.dtype, "threads": threads,
                      "members": args.members, "read_gib": read_gib, "xla_flags": os.environ.get("XLA_FLAGS", "")},
-        "large_read": large_read, "load": {"start": load_start, "end": cpu_load()},
+        "large_read": large_read, "load": {"start": load_start, "end": cpu_load()}, "others_cpu": others_cpu(),
         "wall_s": time.perf_counter() - started, "members": members, "figures": figures,
     }
     os.makedirs(args.out, exist_ok=True)

@@ -93,6 +93,19 @@ def test_every_table_with_timings_is_sorted_as_speed_or_not():
     assert not unsorted, f"add these render programs to _render.SPEED or _render.NOT_SPEED: {unsorted}"
 
 
+SPEED_BLOCKS = [b for b in BLOCKS if b[1] in _render.SPEED]
+
+
+@pytest.mark.parametrize("path, module, json_path, text", SPEED_BLOCKS, ids=[f"{b[0]}:{b[2]}" for b in SPEED_BLOCKS])
+def test_every_speed_table_was_measured_quiet(path, module, json_path, text):
+    """Issue 49: every speed table in the README and docs comes from a run that recorded its load and ran with
+    nothing else on the cores (`_render.load_note` empty); a table whose run was shared is re-run quiet, or
+    shows no seconds (its render program then in NOT_SPEED)."""
+    payloads = [json.load(open(os.path.join(_render.ROOT, p))) for p in json_path.split(",")]
+    note = _render.load_note(payloads[0] if len(payloads) == 1 else payloads)
+    assert not note, f"{path}: the speed table from {json_path} was not measured quiet: {note.strip()}"
+
+
 @pytest.mark.parametrize("payload, note", [
     ({"cpu_load_before": [0.3, 1, 1]}, ""), ({"cpu_load_before": [12.9, 8, 6]}, "shared"), ({}, "no load"),
     # the CPU other processes took during the run decides where it was recorded, whatever the load at the start

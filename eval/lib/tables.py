@@ -232,6 +232,18 @@ def cacheclip(payload: dict) -> str:
             f"{load_line(payload)}\n")
 
 
+def cacheclip_accuracy(payload: dict) -> str:
+    """`cacheclip`'s table without its prefill times: for runs timed with other work on the cores."""
+    sets = payload["setup"].get("sets", ["straddling", "within-chunk"])
+    rows = [[name, f"{e['recompute_ratio']:.0%}" if e["ratio"] is not None or name == "full" else "0%",
+             *(f"{e[f'accuracy_{s}']:.2f}" for s in sets),
+             "" if e["straddler_recall"] is None else f"{e['straddler_recall']:.2f}"] for name, e in payload["results"].items()]
+    return (markdown_table(["method", "recomputed", *(f"acc {s}" for s in sets), "straddler recall"], rows) +
+            f"\n{payload['setup']['samples_per_set']} prompts per set, {payload['setup']['chunks']} chunks x "
+            f"{payload['setup']['chunk_len']} tokens; auxiliary model = the first {payload['setup']['aux_layers']} of "
+            f"{payload['model_config']['layers']} layers.\n")
+
+
 def locret_quality(payload: dict) -> str:
     """`python -m eval.locret_quality`: exact match per policy and budget (full cache: every budget)."""
     results = payload["results"]
@@ -295,7 +307,7 @@ def attention_stages(payload: dict, model: str = "Llama-2-7B", context: int = 32
 
 def retired_engine(payload: dict) -> str:
     """The retired Jenga engine's half of `bench_serving` (commit 859d3ca and earlier): Jenga against uniform
-    paging serving one trace, each figure also as a multiple of uniform's."""
+    paging serving one trace, each figure also as a multiple of uniform's (steps and pages, no seconds)."""
     runs = payload["engine"]["runs"]
     base = next(r for r in runs if r["paging"] == "uniform")
 
@@ -307,14 +319,13 @@ def retired_engine(payload: dict) -> str:
              f"{100 * r['waste_fraction']:.2f}", f"{100 * r['waste_fraction_of_in_use']:.2f}",
              of_base(r, lambda x: x["peak_running"], "d"), f"{r['mean_running']:.1f}", r["steps"],
              of_base(r, per_step, ".2f"), f"{r['computed_tokens_per_step']:.1f}",
-             of_base(r, lambda x: x["generated_tokens_per_s"], ".1f"),
-             of_base(r, lambda x: x["generated_tokens_per_cpu_s"], ".1f"),
              f"{100 * r['prefix_hit_rate']:.1f}", r["preemptions"]] for r in runs]
     headers = ["paging", "pool", "large page", "waste % held", "waste % in use", "max running (x uniform)",
                "mean running", "steps", "generated tokens per step (x uniform)", "computed tokens per step",
-               "generated tok/s (x uniform)", "generated tok per CPU-s (x uniform)", "prefix hit %", "preemptions"]
+               "prefix hit %", "preemptions"]
     return (markdown_table(headers, rows) + f"\nSame tokens from both layouts: {payload['engine']['identical_outputs']}. "
-            f"{load_line(payload)}\n")
+            "Counts per scheduler step only: the run's tokens per second were taken on shared cores and are left "
+            "out.\n")
 
 
 _CACHECLIP_LABELS = {"cacheblend": "CacheBlend", "cacheclip": "CacheClip, untuned, reused context",
@@ -337,7 +348,7 @@ def _cacheclip_methods(payload: dict) -> dict:
 def _cacheclip_note(payload: dict) -> str:
     full = payload["results"]["full"]
     return (f"\nStraddling set, full attention {full['accuracy_straddling']:.2f}; "
-            f"{payload['setup']['samples_per_set']} prompts a set. {load_line(payload)}\n")
+            f"{payload['setup']['samples_per_set']} prompts a set.\n")
 
 
 def cacheclip_by_ratio(payload: dict) -> str:
