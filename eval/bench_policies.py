@@ -9,8 +9,12 @@ reads, and pages in use against the full cache.
 and gives int8's speed against float32 pages of the same policy. `--score-times` also times each page
 selector's page scores alone, one layer of the prefilled state (a sketch selector's also by the reference scorer).
 
+`--model NAME` runs a real model (random prompt tokens) instead, and bounds each policy's speed-up by the bytes
+a step reads: the weights plus the policy's KV bytes, against the weights plus the full cache's.
+
     python -m eval.bench_policies              # writes ./kvjax-results/policies/bench_policies.{json,md,png}
     python -m eval.bench_policies --quick
+    python -m eval.bench_policies --model smollm2-135m --budget 256 --policies full quest key_int4
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 
 from .lib.report import LOAD_AT_START, cpu_load, default_out, machine_info, markdown_table, write_outputs
 from .lib.setups import attention_heavy_config, step_bytes
-from .lib.tables import same_cell, selection_speed, vs_snapkv
+from .lib.tables import byte_bound as byte_bound_table, same_cell, selection_speed, vs_snapkv
 from .lib.timing import DecodeRun, round_robin, timed
 
 POLICIES = {
@@ -89,6 +93,34 @@ def kv_bytes_read(name: str, cfg, context: int, budget: int, page_size: int, kv_
     return cfg.num_layers * heads * budget * per_slot  # an average budget per head
 
 
+def weights_read_per_step(model) -> int:
+    """Bytes of parameters one decode step reads: every weight, but of an untied input embedding only the
+    token's row (tied, the logits read the whole table)."""
+    import jax
+
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(model.params))
+    if not model.cfg.tie_word_embeddings:
+        table = model.params["embed_tokens"]["embedding"]  # [vocab, hidden]
+        total -= (table.shape[0] - 1) * table.shape[1] * table.dtype.itemsize
+    return int(total)
+
+
+def byte_bound(weights: int, kv: int, kv_full: int | None, speedup: float | None) -> dict:
+    """A policy's speed-up over full attention if a step cost only its bytes (the weights plus its KV
+    reads, against the weights plus the full cache's), and how much of that gain the measured speed-up takes
+    ((speed-up - 1) / (bound - 1); None for full attention itself)."""
+    if kv_full is None:
+        return {}
+    bound = (weights + kv_full) / (weights + kv)
+    share = (speedup - 1) / (bound - 1) if speedup is not None and bound > 1 else None
+    return {"byte_bound_speedup": bound, "share_of_byte_bound": share}
+
+
+def model_config_summary(cfg) -> dict:
+    return {"layers": cfg.num_layers, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size}
+
+
 def score_calls(run: DecodeRun) -> dict:
     """One layer's page scores on `run`'s prefilled state with a random query, as jitted calls to time:
     "score_ms" by `policy.page_bounds` (the step's scorer); for a key-sketch selector also
@@ -143,7 +175,8 @@ def plot(payload: dict, path: str) -> None:
     ax.set_xticks(np.arange(len(names)) + width * (len(series) - 1) / 2)
     ax.set_xticklabels(names, rotation=30)
     ax.set_ylabel("decode tokens/s")
-    ax.set_title(f"decode speed by policy, budget {payload['budget']} (2 layers x 16 heads x 128, f32 compute)")
+    shape = payload.get("model") or "2 layers x 16 heads x 128"
+    ax.set_title(f"decode speed by policy, budget {payload['budget']} ({shape}, f32 compute)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -168,6 +201,8 @@ def render(payload: dict, out: str) -> str:
     table = markdown_table(headers, rows) + note
     if any("score_ms" in r for r in results):
         table += "\n" + selection_speed(payload)
+    if "weights_bytes" in payload:
+        table += "\n" + byte_bound_table(payload)
     paths = write_outputs(out, "bench_policies", payload, table)
     plot(payload, paths["json"].replace(".json", ".png"))
     return table
@@ -186,6 +221,9 @@ def main(argv=None):
                         help="also time each page selector's page scores alone (one layer, reference scorer too)")
     parser.add_argument("--out", default=default_out("policies"))
     parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument("--model", default=None,
+                        help="a real model (a name `kvjax fetch` knows, a directory or a .gguf) instead of the "
+                             "attention-heavy config; adds each policy's speed-up bound from the bytes a step reads")
     args = parser.parse_args(argv)
     if args.quick:
         args.contexts, args.budget, args.steps = [1024], 256, 3
@@ -197,11 +235,15 @@ def main(argv=None):
     import kvjax
     from kvjax.policies import layer_roles
 
-    cfg = kvjax.ModelConfig.from_hf_dict(attention_heavy_config(args.vocab))
-    model = kvjax.Model(cfg, kvjax.init_params(cfg, seed=0))
+    if args.model:
+        model = kvjax.load_model(args.model)
+        cfg = model.cfg
+    else:
+        cfg = kvjax.ModelConfig.from_hf_dict(attention_heavy_config(args.vocab))
+        model = kvjax.Model(cfg, kvjax.init_params(cfg, seed=0))
     results = []
     for context in args.contexts:  # one context's runs held at once (their caches together)
-        prompt = np.random.default_rng(context).integers(0, args.vocab, (1, context)).astype(np.int32)
+        prompt = np.random.default_rng(context).integers(0, cfg.vocab_size, (1, context)).astype(np.int32)
         jobs = [(p, d) for p in args.policies for d in args.kv_dtypes]
         runs = [policy_run(model.with_kv_dtype(kv_dtype), prompt, make_policy(name, args.budget))
                 for name, kv_dtype in tqdm(jobs, desc=f"{context} prefill: policy x kv dtype")]
@@ -226,6 +268,12 @@ def main(argv=None):
     payload = {"benchmark": "bench_policies", "machine": machine_info(), "budget": args.budget,
                "config": attention_heavy_config(args.vocab), "timed_steps": args.steps, "results": results,
                "cpu_load_before": LOAD_AT_START, "cpu_load_after": cpu_load()}
+    if args.model:
+        payload.update(model=args.model, config=model_config_summary(cfg), weights_bytes=weights_read_per_step(model))
+        for row in results:
+            full = same_cell(results, row, "full")
+            row.update(byte_bound(payload["weights_bytes"], row["kv_bytes_read_per_step"],
+                                  full["kv_bytes_read_per_step"] if full else None, row["speedup_vs_full"]))
     table = render(payload, args.out)
     print(table)
     return payload

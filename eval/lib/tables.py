@@ -62,6 +62,23 @@ def policies(payload: dict) -> str:
             f"seconds exclude compiling (JAX's compile events), reported apart. {load_line(payload)}\n")
 
 
+def byte_bound(payload: dict) -> str:
+    """`kvjax bench policies --model NAME`: each policy's speed-up over full attention against the bound its
+    bytes give (the weights plus its KV reads per step, over the weights plus the full cache's)."""
+    results = [r for r in payload["results"] if r["kv_dtype"] == "float32"]
+    pct = lambda x: "" if x is None else f"{100 * x:.0f}%"  # noqa: E731
+    rows = [[r["context"], r["policy"], r["decode_tokens_per_s"], _ratio(r["speedup_vs_full"]),
+             r["kv_bytes_read_per_step"] / 1e6, _ratio(r.get("byte_bound_speedup")), pct(r.get("share_of_byte_bound"))]
+            for r in results]
+    m, c = payload["machine"], payload["config"]
+    return (markdown_table(["context", "policy", "decode tok/s", "vs full", "KV MB read/step", "bound from bytes",
+                            "share of the bound's gain"], rows) +
+            f"\n{payload['model']} ({c['layers']} layers, {c['kv_heads']} kv heads of {c['head_dim']}), float32 pages, "
+            f"budget {payload['budget']}, no dense layer; weights read per step {payload['weights_bytes'] / 1e6:.0f} MB. "
+            f"{m.get('cpu_model', '')}, {m['cpu_count']} cores; median of {payload['timed_steps']} decode steps, timed "
+            f"round-robin over the policies. {load_line(payload)}\n")
+
+
 def selection_speed(payload: dict) -> str:
     """`kvjax bench policies --score-times`: each selector's decode speed against full attention's and Quest's,
     and one layer's page scores by the step's scorer and by the reference (issue 47)."""
