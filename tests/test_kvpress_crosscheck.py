@@ -15,6 +15,7 @@ PYTHON = os.environ.get("KVPRESS_PYTHON", os.path.join(os.path.dirname(__file__)
 
 
 @pytest.mark.kvpress
+@pytest.mark.heavy  # kvpress's own venv and model runs: CI builds it and runs the whole set
 @pytest.mark.skipif(not os.path.exists(PYTHON), reason="no kvpress venv: python -m eval.kvpress_crosscheck --setup")
 def test_kept_positions_match_kvpress():
     report = crosscheck(PYTHON, length=512, budget=128)

@@ -106,6 +106,7 @@ def test_options_and_shared_prefill_refusal(tiny):
 
 
 @pytest.mark.kvpress
+@pytest.mark.heavy  # kvpress's own venv and model runs: CI builds it and runs the whole set
 @pytest.mark.skipif(not os.path.exists(PYTHON), reason="no kvpress venv: python -m eval.kvpress_crosscheck --setup")
 def test_kept_positions_match_kvpress_kvzip():
     from kvjax.eval.kvzip_crosscheck import CASES, crosscheck

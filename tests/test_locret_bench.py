@@ -27,6 +27,7 @@ def test_label_memory_points(tmp_path):
     assert "run's peak RSS MiB" in open(os.path.join(out, "locret_labels.md")).read()
 
 
+@pytest.mark.heavy  # four points, each a fresh process; the pool bound itself: tests/test_locret_policy.py
 def test_memory_points_of_a_named_model_with_shipped_heads(tmp_path):
     from kvjax.eval import bench_memory
 

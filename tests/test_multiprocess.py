@@ -120,7 +120,8 @@ def test_data_parallel_training_over_two_processes_equals_one(trained):
         np.testing.assert_allclose(trained["two"]["heads"][name], value, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("writer, reader", [("two", "two_then_one"), ("one", "one_then_two")])
+@pytest.mark.parametrize("writer, reader", [("two", "two_then_one"),
+                                            pytest.param("one", "one_then_two", marks=pytest.mark.heavy)])
 def test_checkpoints_resume_across_process_counts_exactly(trained, writer, reader):
     """The last checkpoint of a 2-process run restored by 1 process (4 devices), and the reverse: the heads
     each writes right after restoring equal, bit for bit, the heads the writer ended with."""

@@ -112,6 +112,7 @@ def test_snapkv_end_to_end(model, reference):
     assert "GNU General Public License" in text, text
 
 
+@pytest.mark.heavy  # the quick suite's real Locret check is the passkey below (the same chunked path)
 def test_shipped_locret_heads_evict_during_chunked_prefill(model):
     passage = licence_text(3000)
     ids = chat_ids(model, passage + "\n\nIn one sentence, what is this text about?")
