@@ -119,6 +119,8 @@ def paged_attention(
     instead: an assembled RAG context, whose slot order is its causal order even where chunks share
     positions (parallel encoding). Returns `[B, T, Hq, D]`, and with `return_probs` also the probabilities
     `f32[B, H, G, T, S]` in `gather_layer`'s slot order."""
+    if not return_probs:  # the blocked form (plain batched matmuls, no [.., T, S] tensor) prefill uses
+        return blocked_paged_attention(q, q_positions, state, layer, scale=scale, window=window, q_slots=q_slots)
     k, v, slot_pos, valid = gather_layer(state, layer)  # [B, H, S, D], [B, H, S]
     if q_slots is None:
         seen = visible_keys(slot_pos[:, :, None, None, :], q_positions[:, None, None, :, None], window)
@@ -228,18 +230,24 @@ def _query_rows(q: jax.Array, num_kv_heads: int, scale: float) -> jax.Array:
     return jnp.moveaxis(qg, 1, 3).reshape(B, num_kv_heads, (Hq // num_kv_heads) * T, D)
 
 
-def _visible_rows(valid: jax.Array, pos: jax.Array, q_positions: jax.Array, group: int, window=0) -> jax.Array:
-    """bool[B, H, G*T, S]: slots (`valid`, `pos [B, H, S]`) each query row (positions `[B, T]`) may see."""
-    visible = valid[:, :, None, :] & visible_keys(pos[:, :, None, :], q_positions[:, None, :, None], window)  # [B, H, T, S]
+def _visible_rows(valid: jax.Array, pos: jax.Array, q_positions: jax.Array, group: int, window=0,
+                  slots: jax.Array | None = None, q_slots: jax.Array | None = None) -> jax.Array:
+    """bool[B, H, G*T, S]: slots (`valid`, `pos [B, H, S]`) each query row (positions `[B, T]`) may see; with
+    `q_slots int32[B, T]`, those at or before the query's own slot (`slots int32[S]`: the block's slots)."""
+    if q_slots is None:
+        seen = visible_keys(pos[:, :, None, :], q_positions[:, None, :, None], window)
+    else:
+        seen = slots[None, None, None, :] <= q_slots[:, None, :, None]
+    visible = valid[:, :, None, :] & seen  # [B, H, T, S]
     return jnp.tile(visible, (1, 1, group, 1))
 
 
 def blocked_paged_attention(
     q: jax.Array, q_positions: jax.Array, state: KVState, layer, block_pages: int = 32,
-    scale: float | None = None, return_stats: bool = False, window=0,
+    scale: float | None = None, return_stats: bool = False, window=0, q_slots: jax.Array | None = None,
 ):
-    """`paged_attention` for a chunk of queries (within a sliding `window` when > 0), computed block by
-    block with an online softmax.
+    """`paged_attention` for a chunk of queries (within a sliding `window` when > 0; with `q_slots`, each
+    query over the slots at or before its own, as there), computed block by block with an online softmax.
 
     The loop visits only blocks of `block_pages` logical pages below the longest head's length (a dynamic
     trip count), so a prefill chunk costs what has been written so far rather than the whole capacity,
@@ -249,7 +257,7 @@ def blocked_paged_attention(
     B, T, Hq, D = q.shape
     H = state.page_table.shape[2]
     G = Hq // H
-    gather, _, _, blocks_used = _blocks(state, layer, block_pages)
+    gather, block_slots, _, blocks_used = _blocks(state, layer, block_pages)
     scale = D**-0.5 if scale is None else scale
     # Queries as one [G*T, D] matrix per (sequence, kv head), so each block is two plain batched matmuls:
     # the grouped "bthgd,bhsd->bhgts" form ran 3x slower on XLA's CPU dot (30 vs 90 ms, 512 queries over
@@ -259,7 +267,8 @@ def blocked_paged_attention(
     def body(i, carry):
         m, l, acc = carry  # [B, H, GT], [B, H, GT], [B, H, GT, D]
         k, v, pos, valid = gather(i)
-        visible = _visible_rows(valid, pos, q_positions, G, window)  # [B, H, GT, S]
+        slots = i * block_slots + jnp.arange(block_slots)
+        visible = _visible_rows(valid, pos, q_positions, G, window, slots, q_slots)  # [B, H, GT, S]
         s = jnp.einsum("bhqd,bhsd->bhqs", qh, k.astype(q.dtype), preferred_element_type=jnp.float32)
         s = jnp.where(visible, s, MASKED)
         m_new = jnp.maximum(m, s.max(-1))
