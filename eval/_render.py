@@ -54,7 +54,7 @@ QUIET_OTHERS = 0.1  # cores other processes may take on average during a quiet r
 SPEED = {
     "eval.demo", "eval.bench_decode", "eval.bench_decode:render_model", "eval.lib.tables:suite_times",
     "eval.lib.tables:cacheclip",
-    "eval.lib.tables:compile_times", "eval.bench_jenga_engine",
+    "eval.lib.tables:compile_times",
     "eval.lib.tables:attention", "eval.lib.tables:attention_stages", "eval.bench_locret_labels",
     "eval.lib.tables:policies", "eval.lib.tables:policies_by_page_dtype", "eval.lib.tables:selection_speed",
     "eval.lib.tables:byte_bound",
@@ -70,6 +70,7 @@ NOT_SPEED = {  # their JSON records seconds the table does not show, or shows a 
     # accuracy, memory and step counts only: runs whose seconds were taken on shared cores render without them
     "eval.lib.tables:cacheclip_by_ratio", "eval.lib.tables:cacheclip_at_20", "eval.lib.tables:cacheclip_accuracy",
     "eval.lib.tables:retired_engine", "eval.bench_locret_labels:render_memory",
+    "eval.bench_jenga_engine", "eval.bench_load:soak_table",  # rows held and pages: counts, no seconds shown
 }
 
 

@@ -55,26 +55,37 @@ def start_server(model, args):
     return serve_in_background(model, config)
 
 
-def ask(client, model_name: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion; times of the request, its first and last content chunks, and its usage."""
+def ask(client, model_name: str, prompt: list[int], max_tokens: int, policy: str | None = None,
+        disconnect_after: int | None = None) -> dict:
+    """One streamed completion (greedy; `policy`: the request's `kv_policy`); times of the request, its first
+    and last content chunks, its usage and text. `disconnect_after`: the client closes the stream after that
+    many content chunks, mid-stream (`disconnected` then)."""
     start = time.perf_counter()
     first = last = None
-    tokens, finish, error = 0, None, None
+    tokens, finish, error, text, chunks, closed = 0, None, None, "", 0, False
     try:
         stream = client.completions.create(model=model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                           stream=True, stream_options={"include_usage": True})
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={} if policy is None else {"kv_policy": policy})
         for chunk in stream:
             now = time.perf_counter()
             if chunk.choices:
                 if chunk.choices[0].text:
                     first = first or now
                     last = now
+                    text += chunk.choices[0].text
+                    chunks += 1
                 finish = chunk.choices[0].finish_reason or finish
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
+            if disconnect_after is not None and chunks >= disconnect_after and finish is None:
+                stream.close()
+                closed = True
+                break
     except Exception as exc:  # counted as lost
         error = f"{type(exc).__name__}: {exc}"
-    return {"start": start, "first": first, "last": last, "tokens": tokens, "finish": finish, "error": error}
+    return {"start": start, "first": first, "last": last, "tokens": tokens, "finish": finish, "error": error,
+            "text": text, "disconnected": closed}
 
 
 def percentiles(values: list[float]) -> dict:
@@ -134,6 +145,79 @@ def paging_waste(samples, page_size: int) -> dict:
             "uniform": sum(uniform_slots(s, page_size) for s in samples)}
     return {"samples": len(samples), "kept_slots": kept, "held_slots": held,
             "waste": {name: waste(h, kept if name == "kvjax pages" else row_kept) for name, h in held.items()}}
+
+
+SOAK_POLICIES = ("full", "quest:token_budget=64", "snapkv:token_budget=64", "h2o:token_budget=64")
+
+
+def wait_idle(worker, timeout: float) -> None:
+    """Until the server's worker has no job queued or running and its engine no work (TimeoutError after
+    `timeout` seconds)."""
+    deadline = time.time() + timeout
+    while worker.running or not worker.jobs.empty() or worker.engine.has_work:
+        if time.time() > deadline:
+            raise TimeoutError(f"the server still had work {timeout:g} s after the last client finished")
+        time.sleep(0.05)
+
+
+def run_soak(model, trace, args) -> dict:
+    """`--soak`: the trace's requests streamed by `--concurrency` clients, their policies taking turns over
+    `--soak-policies`, every `--disconnect-every`-th client closing its stream after its first text; the
+    first request of each policy (a probe) asked alone before and after, and again every `--probe-every`-th
+    request under load. Counted: requests lost, pages the engine still holds once idle, engine restarts
+    (a failed step), probe answers that differ."""
+    import openai
+
+    policies = args.soak_policies
+    probes = [(*trace[i], policies[i % len(policies)]) for i in range(len(policies))]
+    every = args.disconnect_every
+    requests = [(prompt, max_tokens, policies[i % len(policies)], 1 if i % every == every - 1 else None)
+                for i, (prompt, max_tokens) in enumerate(trace)]
+    for i in range(0, len(requests), args.probe_every):
+        requests[i] = (*probes[(i // args.probe_every) % len(probes)], None)
+    server = start_server(model, args)
+    worker = server.app.state.worker
+    engine = worker.engine
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=args.timeout)
+    try:
+        alone = [ask(client, args.model, *probe)["text"] for probe in probes]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            results = list(pool.map(lambda r: ask(client, args.model, *r), requests))
+        wait_idle(worker, args.timeout)
+        wall = time.perf_counter() - start
+        after = [ask(client, args.model, *probe)["text"] for probe in probes]
+        wait_idle(worker, args.timeout)
+        leaked = engine.leaked_pages + sum(b.pool.live_pages() for b in engine.batches.values())
+        restarts = int(worker.engine is not engine)
+    finally:
+        server.stop()
+    disconnected = sum(r["disconnected"] for r in results)
+    done = [r for r in results if not r["disconnected"] and r["error"] is None and r["finish"] is not None]
+    under_load = [r["text"] == alone[probes.index(q[:3])] for q, r in zip(requests, results) if q[:3] in probes]
+    return {"requests": len(requests), "policies": list(policies), "disconnected": disconnected,
+            "server_cancelled": worker.cancelled, "completed": len(done),
+            "lost": len(requests) - disconnected - len(done),
+            "errors": [r["error"] for r in results if r["error"]][:5], "pages_leaked": int(leaked),
+            "engine_restarts": restarts, "dispatches": engine.dispatches, "wall_s": wall,
+            "probes_same_under_load": [int(sum(under_load)), len(under_load)],
+            "probes_same_after": [int(sum(a == b for a, b in zip(alone, after))), len(probes)]}
+
+
+def soak_table(payload: dict) -> str:
+    """`--soak`'s table (no speed: counts)."""
+    s = payload["soak"]
+    return markdown_table(
+        ["model", "requests", "policies", "clients", "disconnected mid-stream", "completed", "lost", "pages leaked",
+         "engine restarts", "probes as alone, under load", "probes as before, after"],
+        [[payload["model"], s["requests"], len(s["policies"]), payload["concurrency"],
+          f"{s['disconnected']} (server cancelled {s['server_cancelled']})", s["completed"], s["lost"],
+          s["pages_leaked"], s["engine_restarts"], "{}/{}".format(*s["probes_same_under_load"]),
+          "{}/{}".format(*s["probes_same_after"])]],
+    ) + (f"\nStreamed, greedy; policies {', '.join(s['policies'])} in turn; every {payload['disconnect_every']}th "
+         f"client closes its stream after its first text; prompts {payload['trace']['prompt_tokens'][0]}-"
+         f"{payload['trace']['prompt_tokens'][1]} tokens, outputs {payload['trace']['output_tokens'][0]}-"
+         f"{payload['trace']['output_tokens'][1]}; max_rows {payload['max_rows']} per policy's batch.\n")
 
 
 def run_sequential(model, trace, args) -> dict:
@@ -209,6 +293,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=default_out("load"))
+    parser.add_argument("--soak", action="store_true", help="a soak instead (run_soak): mixed policies, disconnects")
+    parser.add_argument("--soak-policies", nargs="+", default=list(SOAK_POLICIES), metavar="SPEC")
+    parser.add_argument("--disconnect-every", type=int, default=5)
+    parser.add_argument("--probe-every", type=int, default=10)
     args = parser.parse_args(argv)
 
     import kvjax
@@ -217,6 +305,8 @@ def main(argv=None) -> dict:
     args.policy_options = tuple(parse_policy_options(args.policy, args.policy_option).items())
     model = kvjax.load_model(args.model)
     trace = make_trace(args, model.cfg.vocab_size)
+    if args.soak:
+        return soak(model, trace, args)
     load = run_load(model, trace, args)
     sequential = run_sequential(model, trace, args)
     payload = {"benchmark": "bench_load", "machine": machine_info(), "model": args.model, "policy": args.policy,
@@ -248,6 +338,23 @@ def main(argv=None) -> dict:
     print(table)
     if load["lost"] or load["pages_leaked"]:
         raise SystemExit(f"{load['lost']} requests lost, {load['pages_leaked']} pages leaked: {load['errors'][:3]}")
+    return payload
+
+
+def soak(model, trace, args) -> dict:
+    payload = {"benchmark": "bench_load --soak", "machine": machine_info(), "model": args.model,
+               "concurrency": args.concurrency, "max_rows": args.max_rows, "chunk_size": args.chunk_size,
+               "disconnect_every": args.disconnect_every, "probe_every": args.probe_every,
+               "trace": {"requests": args.requests, "prompt_tokens": [args.prompt_min, args.prompt_max],
+                         "output_tokens": [args.output_min, args.output_max], "seed": args.seed},
+               "soak": run_soak(model, trace, args)}
+    table = soak_table(payload)
+    write_outputs(args.out, f"bench_load_soak_{args.model.replace('-', '_')}", payload, table)
+    print(table)
+    s = payload["soak"]
+    if s["lost"] or s["pages_leaked"] or s["engine_restarts"] or s["probes_same_after"][0] < len(s["policies"]) \
+            or s["probes_same_under_load"][0] < s["probes_same_under_load"][1]:
+        raise SystemExit(f"soak failed: {s}")
     return payload
 
 

@@ -7,7 +7,8 @@ small budget, and prints the accuracy table with each policy's decode speed: a f
 (less when JAX's compilation cache is warm). With `--model smollm2-135m` (after `kvjax fetch
 smollm2-135m`) it runs real-text passkey and RULER's single needle instead, with full, Quest, SnapKV,
 Ada-SnapKV, H2O, StreamingLLM and KVzip; `--model gemma3-270m` does the same on Gemma-3 270M, whose
-sliding-window layers keep their window under every policy (the policies act on its global layers).
+sliding-window layers keep their window under every policy (the policies act on its global layers), KVzip
+left out (its reconstruction pass does not run on sliding-window layers; the table says so).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import sys
 import time
 
+from .lib.policies import build_policy
 from .lib.report import cpu_load, load_line, markdown_table
 
 DEMO_POLICIES = ("full", "quest", "quest_static", "snapkv", "ada_snapkv", "h2o", "streaming", "kvzip")
@@ -44,14 +46,29 @@ def run_demo(model_name: str = "tiny", length: int = 2048, budget: int | None = 
     model = kvjax.load_model(model_name)
     tasks, default_policies, default_budget, default_samples, dense_layers = SETTINGS[
         "tiny" if model_name == "tiny" else "real"]
-    result = run_sweep(model, tuple(policies or default_policies), [budget or default_budget], [length], tasks,
+    skipped = {p: why for p in (policies or default_policies)
+               if (why := cannot_run(model, build_policy(p, budget or default_budget, dense_layers)))}
+    if policies and skipped:  # named: refused now, not after the other policies ran
+        raise ValueError(f"{model_name}: {'; '.join(f'{p}: {why}' for p, why in skipped.items())}")
+    policies = tuple(p for p in (policies or default_policies) if p not in skipped)
+    result = run_sweep(model, policies, [budget or default_budget], [length], tasks,
                        samples or default_samples, records, seed, dense_layers=dense_layers,
                        progress=not as_json, clear_compiled=False)
+    result["skipped_policies"] = skipped
     result["seconds"] = round(time.perf_counter() - started, 1)
     result["model"] = model_name
     result["cpu_load_before"], result["cpu_load_after"] = load_before, cpu_load()
     result["command"] = " ".join(["kvjax", *sys.argv[1:]]) if sys.argv[0].endswith("kvjax") else None
     return result
+
+
+def cannot_run(model, policy) -> str | None:
+    """Why `policy` cannot run on `model`, or None: KVzip's reconstruction pass (a compressor's
+    `scoring_pass`) does not run on sliding-window layers (Gemma-3's)."""
+    compressor = policy.compressor
+    if any(model.cfg.windows or ()) and compressor is not None and compressor.scoring_pass is not None:
+        return "its reconstruction pass does not run on sliding-window layers"
+    return None
 
 
 TASK_TITLES = {"multikey": "multi-key", "real_passkey": "passkey (real text)", "niah_single": "RULER single needle"}
@@ -76,6 +93,8 @@ def demo_table(result: dict) -> str:
     table = markdown_table(["policy", "budget", *[TASK_TITLES.get(t, t) for t in tasks], f"decode ms/step (batch {batch})",
                             "decode tok/s"], rows)
     note = (f"\nTotal {result['seconds']:.0f} s on {result['machine'].get('cpu_model', result['machine']['processor'])}.\n")
+    for name, why in result.get("skipped_policies", {}).items():
+        note = f"\n{name} left out: {why}." + note
     if "quest_static" in result["policies"]:
         note = ("\nquest_static is the query-agnostic control: Quest's page score, but pages chosen once from the last "
                 "context query, before the question." + note)

@@ -132,3 +132,20 @@ def test_a_row_joins_only_when_the_pool_holds_it_to_its_end(gemma):
     for row, got in zip(rows, tokens):
         assert got == _alone(gemma, row, 10)
     assert engine.leaked_pages == 0
+
+
+@pytest.mark.heavy
+def test_counted_admission_is_the_engines(gemma):
+    """`eval/bench_jenga_engine.py` counts Gemma-3 270M's rows at 2K-16K without running it (`serve_counted`:
+    the engine's admission and placement, each row's slots from its length). On one trace its rows live at
+    each dispatch, pages per row, KV waste and prefix hits are the engine's, for Jenga's and uniform pages."""
+    from kvjax.eval.bench_jenga_engine import fixed_pool_pages, serve, serve_counted, traffic
+
+    for kind, uniform in (("shared", False), ("shared", True), ("unique", False)):
+        prompts = traffic(kind, 4 * CHUNK, 10, VOCAB, chunk=CHUNK)  # shared: the first 3 chunks
+        settings = dict(new_tokens=12, pool_pages=fixed_pool_pages(gemma.cfg, 4 * CHUNK, 12, 1, PAGE), max_rows=8,
+                        uniform=uniform, chunk=CHUNK, steps=4, page_size=PAGE)
+        served = serve(gemma, prompts, **settings)
+        served.pop("tokens")
+        assert served["max_live_rows"] >= (1 if uniform else 3) and served["leaked_pages"] == 0
+        assert serve_counted(gemma.cfg, prompts, **settings) == served, (kind, uniform)

@@ -29,13 +29,18 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def server(model):
+def running(model):
     model.tokenizer.chat_template = CHAT_TEMPLATE  # the tiny model's tokenizer has none
     running = serve_in_background(model, ServerConfig(NAME, kvjax.make_policy("full"), max_context=1024,
                                                       steps_per_dispatch=4))
-    yield running.url.removesuffix("/v1")
+    yield running
     running.stop()
     model.tokenizer.chat_template = None
+
+
+@pytest.fixture(scope="module")
+def server(running):
+    return running.url.removesuffix("/v1")
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +155,20 @@ def test_concurrent_requests_queue_and_all_finish(model, server):
         t.join(timeout=300)
     for p, got in zip(prompts, results):
         assert got == expected(model, model.tokenizer(p)["input_ids"], 6)
+
+
+def test_a_client_gone_mid_stream_stops_its_generation_and_frees_its_pages(model, running, client):
+    """A streaming client closes its stream after its first text (`eval/bench_load.py --soak` does it at
+    scale): the server stops that generation, every page goes back, and the next answer is `generate`'s."""
+    from kvjax.eval.bench_load import ask, wait_idle
+
+    worker = running.app.state.worker
+    before = worker.cancelled
+    ids = model.tokenizer(PROMPT)["input_ids"]
+    assert ask(client, NAME, ids, 400, disconnect_after=1)["disconnected"]
+    wait_idle(worker, 120)
+    engine = worker.engine
+    assert worker.cancelled == before + 1
+    assert engine.leaked_pages == 0 and not any(b.pool.live_pages() for b in engine.batches.values())
+    reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert reply.choices[0].text == expected(model, ids, 12)

@@ -94,8 +94,9 @@ class RowPool:
 
     def device_pages(self, group: int, pages: Sequence[int]) -> np.ndarray:
         """int32[len(pages) * M]: every member's device page of the small `pages` of `group`."""
-        pages = np.asarray([p for p in pages if p >= 0], np.int64)
-        first = np.array([self.first_page(group, int(p)) for p in pages], np.int64).reshape(-1, 1)
+        pages = np.asarray(pages, np.int64).reshape(-1)
+        large, slot = np.divmod(pages[pages >= 0], self._per_large[group])
+        first = (large * self.large_pages + slot * len(self.members[group]))[:, None]
         return (first + np.arange(len(self.members[group]))[None, :]).reshape(-1).astype(np.int32)
 
     def blocks(self, held: np.ndarray) -> dict[str, int]:
@@ -172,6 +173,31 @@ class RowPool:
     def live_pages(self) -> int:
         """Device pages held by requests (not free, not cached for reuse)."""
         return self.device_page_count(self.allocator.num_live_pages())
+
+    def room_to_finish(self, final: dict[str, np.ndarray], joining: np.ndarray, reused: dict[str, int]) -> bool:
+        """Whether the pool holds every live request up to its last tokens (`final`: request id -> the
+        pages `int[L, H]` its (layer, head)s will hold then, `pages_ahead`) and a joining row holding
+        `joining int[L, H]` pages at its end, of which `reused` small pages per group live rows hold already
+        (a prefix hit's, a document's). Counted in device pages, a large page per group kept for rounding:
+        the batch engine's admission (no preemption, so a row joins only when it can finish)."""
+        needed = sum(self.device_page_count(self.blocks(pages)) - self.held_pages(rid) for rid, pages in final.items())
+        needed += self.device_page_count(self.blocks(joining)) - self.device_page_count(reused)
+        return self.live_pages() + needed <= self.num_pages - len(self.specs) * self.large_pages
+
+    def used_slots(self, lengths: dict[str, np.ndarray]) -> int:
+        """Slots of the live requests' pages that hold a token, each device page once (a shared prefix page
+        counted once): request id -> the slots `int[L, H]` each (layer, head) holds, its first slots in its
+        table's order. `live_pages() * page_size` less this is what the pool holds and nothing reads."""
+        filled = np.zeros(self.num_pages, np.int64)
+        for rid, held in lengths.items():
+            tables = self.allocator.block_tables(rid)
+            for group, (spec, members) in enumerate(zip(self.specs, self.members)):
+                pages = np.asarray(tables[spec.name], np.int64)
+                blocks = np.nonzero(pages >= 0)[0]
+                slots = held[members[:, 0], members[:, 1]]  # [M]
+                count = np.clip(slots[None, :] - blocks[:, None] * self.page_size, 0, self.page_size)
+                np.maximum.at(filled, self.device_pages(group, pages[blocks]), count.reshape(-1))
+        return int(filled.sum())
 
 
 __all__ = ["FULL", "RowPool", "layer_groups"]

@@ -557,20 +557,18 @@ class BatchEngine:
     def _room_to_finish(self, batch: _Batch, item: _Prefilled, held: np.ndarray, reused: dict[str, int]) -> bool:
         """Whether the pool can hold `item` (holding `held int[L, H]` pages, of which `reused` small pages per
         group live rows hold already: a prefix hit's, a document's) and every live row of `batch` up to their
-        last tokens: a row joins only then, so rows never run out of pages mid-decode (no preemption).
-        Counted in device pages, a large page per group kept for rounding."""
+        last tokens (`RowPool.room_to_finish`): a row joins only then, so rows never run out of pages
+        mid-decode (no preemption)."""
         pool, P = batch.pool, batch.tables.shape[-1]
         lengths = self._over_shards(self.backend.fetch(batch.state.lengths))  # [L, R, H]
         remaining = np.array([0 if r is None else r.max_new_tokens - len(r.tokens) for r in batch.rows])
         final = pool.pages_ahead(lengths, remaining, batch.read_pages or None, P)  # [L, R, H]
-        needed = sum(pool.device_page_count(pool.blocks(final[:, slot])) - pool.held_pages(r.request_id)
-                     for slot, r in enumerate(batch.rows) if r is not None)
         row_lengths = self._over_shards(self.backend.fetch(item.state.lengths))  # [L, 1, H]
         left = np.array([item.request.max_new_tokens - len(item.request.tokens)
                          + (0 if item.question is None else len(item.question))])
         mine = np.maximum(pool.pages_ahead(row_lengths, left, item.state.read_pages, P)[:, 0], held)
-        needed += pool.device_page_count(pool.blocks(mine)) - pool.device_page_count(reused)
-        return pool.live_pages() + needed <= pool.num_pages - len(pool.specs) * pool.large_pages
+        return pool.room_to_finish({r.request_id: final[:, slot] for slot, r in enumerate(batch.rows) if r is not None},
+                                   mine, reused)
 
     def _place_ahead(self, batch: _Batch, limit: np.ndarray) -> None:
         """Reserve the pages the next dispatch's tokens (`limit int[R]` a row at most) may write, in the

@@ -130,6 +130,7 @@ class Worker:
         self.documents = documents_dir and SavedDocuments(documents_dir, model, self.engine.cache, page_size, backend)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.running: dict[str, Job] = {}
+        self.cancelled = 0  # jobs whose client went away before their end (not started, or stopped mid-stream)
         self.thread = threading.Thread(target=self._loop, name="kvjax-serve", daemon=True)
         self.thread.start()
 
@@ -171,6 +172,7 @@ class Worker:
 
     def _start(self, job: Job) -> None:
         if job.cancelled.is_set():
+            self.cancelled += 1
             return
         sampling = dict(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.seed,
                         on_tokens=self._on_tokens_of(job))
@@ -209,6 +211,8 @@ class Worker:
         if request.finish_reason == "error":
             job.emit("error", APIError(400, request.error, param="max_tokens", code="context_length_exceeded"))
             return
+        if request.finish_reason == "abort" and not job.stopped_by_string:
+            self.cancelled += 1
         job.flush(len(job.text))
         finish = "stop" if job.stopped_by_string or request.finish_reason == "stop" else "length"
         job.emit("done", {"finish_reason": finish, "completion_tokens": len(job.ids)})
