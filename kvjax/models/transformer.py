@@ -1,11 +1,12 @@
-"""A Flax Linen decoder (Llama / Mistral / Qwen2 / Phi-3 / Gemma-3) whose attention is supplied by the caller.
+"""A Flax Linen decoder (Llama / Mistral / Qwen2 / Phi-3 / Gemma-3): the pieces of a layer for a caller's
+layer loop, and a forward whose attention (`attend`) the caller supplies.
 
 Notes: docs/modules.md (`kvjax/models/transformer.py`)."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Hashable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
@@ -44,16 +45,6 @@ class Segment(NamedTuple):
     start: int
     stop: int
     attend: AttendFn
-
-
-def segments_by(num_layers: int, key: Callable[[int], Hashable]) -> tuple[tuple[int, int], ...]:
-    """Runs `(start, stop)` of consecutive layers with equal `key(layer)`, covering 0 .. num_layers - 1."""
-    runs, start = [], 0
-    for layer in range(1, num_layers + 1):
-        if layer == num_layers or key(layer) != key(start):
-            runs.append((start, layer))
-            start = layer
-    return tuple(runs)
 
 
 def unrolled(attend: AttendFn, num_layers: int) -> tuple[Segment, ...]:
