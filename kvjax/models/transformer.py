@@ -49,7 +49,7 @@ class Segment(NamedTuple):
 
 def unrolled(attend: AttendFn, num_layers: int) -> tuple[Segment, ...]:
     """One segment per layer: the forward runs them unscanned and `attend` gets each layer as a Python int
-    (compile time grows with depth again). For inspection: an `attend` that branches on the layer in
+    (compile time grows with depth). For inspection: an `attend` that branches on the layer in
     Python, records into Python containers, or returns a carry whose structure changes."""
     return tuple(Segment(layer, layer + 1, attend) for layer in range(num_layers))
 
