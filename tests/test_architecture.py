@@ -112,6 +112,26 @@ def test_every_module_belongs_to_a_layer_and_imports_only_downward():
     assert not problems, "forbidden arrows:\n" + "\n".join(problems)
 
 
+# The model's `attend` seam: a forward that calls the caller's attention back from inside its layers. The
+# library's steps drive the layer loop themselves with the model's pieces (embed, layer_inputs,
+# layer_output, final_logits), so only the dense no-cache forward passes an `attend`.
+ATTEND_SEAM = {"CausalLM", "Segment", "unrolled", "apply_layers", "AttendFn"}
+SEAM_USERS = {"kvjax.engine.api"}  # `dense_forward`, the reference every cached path is checked against
+
+
+def test_only_the_dense_forward_passes_the_model_an_attend():
+    modules = _installed_modules()
+    library = max(index for index, (name, _) in enumerate(LAYERS) if name == "api")
+    found = [
+        f"{path}:{line}: {module} imports {name}"
+        for module, path in sorted(modules.items())
+        if _part(module)[0] <= library and _part(module)[1] != "kvjax.models" and module not in SEAM_USERS
+        for target, name, line in _imports(module, path, set(modules))
+        if target.startswith("kvjax.models") and name in ATTEND_SEAM
+    ]
+    assert not found, "the model calls back into these modules' attention:\n" + "\n".join(found)
+
+
 def test_the_checker_sees_a_forbidden_arrow(tmp_path):
     """The walk above must fail on an upward import: a library module importing a program."""
     bad = tmp_path / "bad.py"

@@ -1,4 +1,4 @@
-"""Sliding-window layers in `generate`'s own step (`kvjax.engine.step.append_and_attend_window`): logits equal
+"""Sliding-window layers in `generate`'s own step (`kvjax.engine.step.append_and_attend_sliding`): logits equal
 transformers' Mistral past the window, in chunked prefill and decode; a windowed layer holds only the
 tokens its next query can see (pages freed as the window moves); per-layer windows (Gemma-2's pattern)
 equal the dense windowed forward, with policies acting on the full-attention layers only."""

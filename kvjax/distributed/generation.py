@@ -62,9 +62,9 @@ class MeshPlacement(OneDevice):
         Sd, _, b = state.next_position.shape
         return state.next_position[:, 0].reshape(Sd * b)
 
-    def with_next_position(self, state: KVState, seen: jax.Array) -> KVState:
+    def with_next_position(self, state: KVState, next_position: jax.Array) -> KVState:
         Sd, Sm, b = state.next_position.shape
-        state = state.replace(next_position=jnp.broadcast_to(seen.reshape(Sd, 1, b), (Sd, Sm, b)))
+        state = state.replace(next_position=jnp.broadcast_to(next_position.reshape(Sd, 1, b), (Sd, Sm, b)))
         return jax.lax.with_sharding_constraint(state, NamedSharding(self.mesh, state_spec(self.plan)))
 
     def state_shards(self) -> tuple[int, int]:

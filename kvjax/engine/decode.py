@@ -56,31 +56,44 @@ def decode_plans(policy: Policy, segments, windows: tuple) -> tuple[DecodePlan, 
     return tuple(plans)
 
 
-def decode_forward(params, state: KVState, tokens, num_new, seen, plans, *, cfg: ModelConfig, dtype,
-                   policy: Policy, placement, rope) -> tuple[KVState, jax.Array]:
-    """The model over one token per row `tokens int32[B, 1]` (rows with `num_new` 0 write nothing) whose
-    pages are allocated: embed, each plan's layers (`decode_layer`, scanned), final norm and logits.
-    Returns `(state, logits f32[B, V])`."""
-    positions = placement.next_position(state)[:, None]
-    x = embed(params, cfg, dtype, tokens)
+def decode_forward(params, state: KVState, tokens, positions, num_new, next_position, plans, *, cfg: ModelConfig,
+                   dtype, policy: Policy, placement, rope) -> tuple[KVState, jax.Array]:
+    """The model over one token per row `tokens int32[B, 1]` at `positions int32[B, 1]` (rows with `num_new`
+    0 write nothing; `next_position int32[B]` after it) whose pages are allocated: embed, each plan's
+    layers (`decode_layer`), final norm and logits. Returns `(state, logits f32[B, V])`."""
     layers = params["layers"]
-    for plan in plans:
 
-        def body(carry, layer, plan=plan):
-            x, state = carry
-            x, new = decode_layer(layers, layer, x, state.for_layers(plan.start, plan.stop), positions, num_new, seen,
-                                  plan, cfg=cfg, dtype=dtype, policy=policy, placement=placement, rope=rope)
-            return (x, new.replace(read_pages=state.read_pages)), None
+    def one_layer(layer, plan, state, x):
+        x, state = decode_layer(layers, layer, x, state, positions, num_new, next_position, plan, cfg=cfg, dtype=dtype,
+                                policy=policy, placement=placement, rope=rope)
+        return state, x
 
-        if plan.stop - plan.start == 1:
-            (x, state), _ = body((x, state), plan.start)
-        else:
-            (x, state), _ = jax.lax.scan(body, (x, state), jnp.arange(plan.start, plan.stop, dtype=jnp.int32))
+    state, x = over_layers(plans, one_layer, state, embed(params, cfg, dtype, tokens))
     return state, final_logits(params, cfg, dtype, x[:, 0])
 
 
-def decode_layer(layers, layer, x, state: KVState, positions, num_new, seen, plan: DecodePlan, *, cfg: ModelConfig,
-                 dtype, policy: Policy, placement, rope) -> tuple[jax.Array, KVState]:
+def over_layers(plans, one_layer, state: KVState, carry):
+    """`state, carry = one_layer(layer, plan, local, carry)` for each plan's layers in order (a plan: any
+    static record with `start` and `stop`), `local` being the state with the plan's read bound
+    (`KVState.for_layers`, the whole tuple restored after). A plan's layers are scanned with the layer
+    index traced; a one-layer plan runs once with it as a Python int. Returns `(state, carry)`."""
+    for plan in plans:
+
+        def body(state_carry, layer, plan=plan):
+            state, carry = state_carry
+            local, carry = one_layer(layer, plan, state.for_layers(plan.start, plan.stop), carry)
+            return (local.replace(read_pages=state.read_pages), carry), None
+
+        if plan.stop - plan.start == 1:
+            (state, carry), _ = body((state, carry), plan.start)
+        else:
+            indices = jnp.arange(plan.start, plan.stop, dtype=jnp.int32)
+            (state, carry), _ = jax.lax.scan(body, (state, carry), indices)
+    return state, carry
+
+
+def decode_layer(layers, layer, x, state: KVState, positions, num_new, next_position, plan: DecodePlan, *,
+                 cfg: ModelConfig, dtype, policy: Policy, placement, rope) -> tuple[jax.Array, KVState]:
     """One layer of a decode step, `x [B, 1, E]` -> `(x, state)`: the model's first half (norm, q/k/v,
     RoPE), then on the layer's pages write the new k/v, select pages, attend; then evict over budget; then
     the model's second half (o_proj, MLP)."""
@@ -92,7 +105,7 @@ def decode_layer(layers, layer, x, state: KVState, positions, num_new, seen, pla
         state, layer, inputs.q, inputs.k, inputs.v, positions, num_new)
     if plan.evict:
         evictor = policy.evictor
-        view = DecodeView(layer=layer, num_layers=cfg.num_layers, next_position=seen, **parts)
+        view = DecodeView(layer=layer, num_layers=cfg.num_layers, next_position=next_position, **parts)
         victim = jnp.argmin(jnp.where(view.valid, evictor.decode_scores(view), jnp.inf), axis=-1).astype(jnp.int32)
         evict = functools.partial(evict_over_budget, budget=evictor.decode_budget)
         state = placement.per_shard(evict, ("state", "", "bh", "bhsd"), "state")(state, layer, victim, view.k)
@@ -160,14 +173,15 @@ def slot_fields(state: KVState, layer) -> dict:
             "lengths": state.lengths[layer]}
 
 
-def prompt_view(state: KVState, layer, num_layers: int, next_position, final_chunk=None, window=None,
+def prompt_view(state: KVState, layer, num_layers: int, next_position, final_chunk=None, last_queries=None,
                 pool_threshold=None, slots: dict | None = None) -> PromptView:
     """One layer's `PromptView`: `next_position int32[B]`, `final_chunk bool[B]` (None: every sequence's last
-    chunk), `window` the prefill carry (`engine.step.new_window`, or None), `pool_threshold f32[B]` or None,
-    `slots` the layer's `slot_fields` (None: gathered here from `state`; a mesh gathers them per shard)."""
+    chunk), `last_queries` the prefill's carry (`engine.step.new_last_queries`, or None), `pool_threshold
+    f32[B]` or None, `slots` the layer's `slot_fields` (None: gathered here from `state`; a mesh gathers them
+    per shard)."""
     if final_chunk is None:
         final_chunk = jnp.ones(next_position.shape, bool)
-    extra = {} if window is None else {"window_q": window["q"][layer], "window_pos": window["pos"]}
+    extra = {} if last_queries is None else {"window_q": last_queries["q"][layer], "window_pos": last_queries["pos"]}
     slots = slot_fields(state, layer) if slots is None else slots
     return PromptView(layer=layer, num_layers=num_layers, next_position=next_position, final_chunk=final_chunk,
                       pool_threshold=pool_threshold, **slots, **extra)
@@ -185,5 +199,5 @@ def page_view(state: KVState, layer, num_layers: int, q) -> PageView:
 
 
 __all__ = ["DecodePlan", "SLOT_FIELDS", "VIEW_LAYOUTS", "attend_in_window", "decode_forward", "decode_layer",
-           "decode_plans", "evict_over_budget", "new_sketch_rows", "page_view", "prompt_view", "slot_fields",
-           "write_select_attend"]
+           "decode_plans", "evict_over_budget", "new_sketch_rows", "over_layers", "page_view", "prompt_view",
+           "slot_fields", "write_select_attend"]

@@ -22,7 +22,7 @@ from kvjax.cache.rows import insert_row
 from kvjax.engine.sampling import sample_first_tokens, validate_sampling
 from kvjax.cache.state import CacheCapacityError, KVState, pages_for
 from kvjax.engine.reconstruction import score_by_reconstruction
-from kvjax.engine.step import LOCAL_BACKEND, StepBackend, compressed_layer, new_window
+from kvjax.engine.step import LOCAL_BACKEND, StepBackend, compressed_layer, new_last_queries
 
 DEFAULT_CHUNK_SIZE = 512
 DEFAULT_STEPS_PER_DISPATCH = 16  # decode steps per device call in generate (kvjax.engine.decode_loop)
@@ -32,9 +32,6 @@ CAPACITY_BUCKET = 256  # default capacities round up to this many tokens, so nea
 def bucketed(tokens: int) -> int:
     """`tokens` rounded up to a multiple of `CAPACITY_BUCKET` (default capacities)."""
     return -(-tokens // CAPACITY_BUCKET) * CAPACITY_BUCKET
-
-
-# ------------------------------------------------------------------------------------------ dense
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -108,10 +105,11 @@ def policy_or_full(policy: Policy | None) -> Policy:
 
 class PrefillCarry(NamedTuple):
     """What chunked prefill carries from one chunk to the next, after `tokens` prompt tokens: the state, the
-    window of last queries (`kvjax.engine.step.new_window`, or None) and the logits `f32[B, V]` at the last token."""
+    carry of last queries (`kvjax.engine.step.new_last_queries`, or None) and the logits `f32[B, V]` at the
+    last token."""
 
     state: KVState
-    window: Any
+    last_queries: Any
     logits: jax.Array
     tokens: int
 
@@ -161,14 +159,15 @@ def prefill_row_steps(
     `(state, logits)` after the compression."""
     backend, policy = plan.backend or LOCAL_BACKEND, plan.policy
     compressor, selector = policy.compressor, policy.selector
-    state, window, logits = yield from prefill_chunk_steps(model, rows, plan)
+    state, last_queries, logits = yield from prefill_chunk_steps(model, rows, plan)
     if compressor is not None and compressor.scoring_pass is not None:  # KVzip: the prompt repeated, its slots scored
         if plan.backend is not None and plan.backend is not LOCAL_BACKEND:
             raise NotImplementedError(f"policy {policy.name!r}: its scoring pass (KVzip's reconstruction) runs on one "
                                       "device, not on a mesh")
         state = score_by_reconstruction(model, state, rows, policy)
     if compressor is not None and compressor.chunks is None:
-        state = compress_prefilled(model, state, window, policy, [len(r) for r in rows], plan.reserve_tokens, backend)
+        state = compress_prefilled(model, state, last_queries, policy, [len(r) for r in rows], plan.reserve_tokens,
+                                   backend)
     if selector is None or not selector.keeps_key_sketch:
         return state, logits
     attach = selector.attach_sketch  # the selector's key sketch, fitted on the compressed cache
@@ -191,8 +190,8 @@ def prefill_chunk_steps(
 ) -> Generator[None, None, tuple[KVState, Any, jax.Array]]:
     """A generator yielding after every chunk's step (`prefill_row_steps`; `run_to_end` runs it through):
     `prefill_rows` up to, not including, the compression after prefill: every chunk appended (and, with a
-    chunk schedule, compressed). Returns `(state, window, logits)`, `window` being the carry of the last
-    `compressor.window_size` queries per layer (`kvjax.engine.step.new_window`) or None.
+    chunk schedule, compressed). Returns `(state, last_queries, logits)`, `last_queries` being the carry of
+    the last `compressor.window_size` queries per layer (`kvjax.engine.step.new_last_queries`) or None.
 
     Prefix reuse (one row, a policy without a chunk schedule): `on_chunk(carry)` is called after every whole
     chunk with what the next chunk starts from (it must copy what it keeps: the next step donates the
@@ -231,7 +230,7 @@ def prefill_chunk_steps(
         raise ValueError("prefix reuse (resume, on_chunk) takes one row and a policy without a chunk schedule, got "
                          f"{B} rows and policy {policy.name!r}")
 
-    def run_chunks(state, window, logits, part: list, compress: bool, C: int, done: int = 0):
+    def run_chunks(state, last_queries, logits, part: list, compress: bool, C: int, done: int = 0):
         part_len = np.array([len(r) for r in part], np.int32)
         num_chunks = -(-int(part_len.max()) // C)
         padded = np.zeros((B, num_chunks * C), np.int32)
@@ -241,22 +240,22 @@ def prefill_chunk_steps(
         for i in tqdm(range(num_chunks), desc="prefill", unit="chunk", disable=not progress or num_chunks < 2,
                       leave=False):
             num_new = np.clip(part_len - i * C, 0, C).astype(np.int32)
-            state, window, logits = backend.append_step(
-                model.params, state, window, backend.put(padded[:, i * C : (i + 1) * C]), backend.put(num_new),
+            state, last_queries, logits = backend.append_step(
+                model.params, state, last_queries, backend.put(padded[:, i * C : (i + 1) * C]), backend.put(num_new),
                 logits, policy_params, cfg=cfg, dtype=model.dtype, policy=policy,
             )
             if compress:
                 state = backend.compress_step(
-                    state, window, backend.put(i >= last_chunk), num_layers=cfg.num_layers, policy=policy,
+                    state, last_queries, backend.put(i >= last_chunk), num_layers=cfg.num_layers, policy=policy,
                     keep_bound=keep_bound, read_pages=read_bound, windows=cfg.windows,
                 )
             if on_chunk is not None and (num_new == C).all():
-                on_chunk(PrefillCarry(state, window, logits, done + (i + 1) * C))
+                on_chunk(PrefillCarry(state, last_queries, logits, done + (i + 1) * C))
             yield
-        return state, window, logits
+        return state, last_queries, logits
 
     logits = backend.put(jnp.zeros((B, cfg.vocab_size), jnp.float32))
-    window = None if compressor is None else new_window(cfg, B, compressor.window_size, model.dtype)
+    last_queries = None if compressor is None else new_last_queries(cfg, B, compressor.window_size, model.dtype)
     head = [r[: len(r) - t] for r, t in zip(rows, tails)]
     C = _chunk_size_for(max(len(r) for r in head), chunk_size)
     done = 0
@@ -265,27 +264,27 @@ def prefill_chunk_steps(
         if done % C or done > len(head[0]):
             raise ValueError(f"a prefill of {len(head[0])} tokens in chunks of {C} cannot resume after {done} tokens")
         state = insert_row(state, resume.state, jnp.int32(0))
-        window = None if window is None else jax.tree.map(jnp.copy, resume.window)
+        last_queries = None if last_queries is None else jax.tree.map(jnp.copy, resume.last_queries)
         logits = jnp.copy(resume.logits)
         head = [r[done:] for r in head]
-    state, window, logits = yield from run_chunks(state, window, logits, head, per_chunk, C, done)
+    state, last_queries, logits = yield from run_chunks(state, last_queries, logits, head, per_chunk, C, done)
     if tails.any():
         part = [r[len(r) - t :] for r, t in zip(rows, tails)]
         C = _chunk_size_for(int(tails.max()), chunk_size)
-        state, window, logits = yield from run_chunks(state, window, logits, part, False, C)
+        state, last_queries, logits = yield from run_chunks(state, last_queries, logits, part, False, C)
     error = backend.overflow_error(state)
     if error is not None:
         raise error
-    return state, window, logits
+    return state, last_queries, logits
 
 
 def compress_prefilled(
-    model: Model, state: KVState, window, policy: Policy, prompt_lengths: Sequence[int], reserve_tokens: int,
+    model: Model, state: KVState, last_queries, policy: Policy, prompt_lengths: Sequence[int], reserve_tokens: int,
     backend: StepBackend | None = None,
 ) -> KVState:
     """The compression after prefill (a policy without a chunk schedule): each compressed layer keeps the
     policy's slots and reads at most the pages they and `reserve_tokens` more tokens need (one more, for a
-    policy that evicts while decoding). `window` is the prefill's query carry. Donates `state`."""
+    policy that evicts while decoding). `last_queries` is the prefill's carry of them. Donates `state`."""
     backend = backend or LOCAL_BACKEND
     cfg = model.cfg
     keep_bound = max(policy.compressor.kept_bound(int(n), cfg.num_kv_heads) for n in prompt_lengths)
@@ -295,7 +294,7 @@ def compress_prefilled(
         bounded if compressed_layer(policy, l, cfg.windows) else state.max_pages for l in range(cfg.num_layers)
     )
     return backend.compress_step(
-        state, window, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages,
+        state, last_queries, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages,
         windows=cfg.windows,
     )
 

@@ -45,7 +45,7 @@ class SharedPrefill(NamedTuple):
     """One uncompressed prefill of a batch and what its compressors read."""
 
     state: KVState  # never donated: derive() copies it
-    window: Any  # {"q": [L, B, w, Hq, D], "pos": int32[B, w]} the last w queries, or None
+    last_queries: Any  # {"q": [L, B, w, Hq, D], "pos": int32[B, w]} the last w queries, or None
     logits: jax.Array  # f32[B, V] at each prompt's last token
     prompt_lengths: tuple[int, ...]
     reserve_tokens: int  # tokens each sequence may still append (question + answer)
@@ -90,8 +90,8 @@ def shared_prefill(
     capture = capture_for(policies)
     plan = PrefillPlan(capture, page_size, capacity, chunk_size, longest + reserve_tokens, reserve_tokens,
                        progress=progress)
-    state, window, logits = run_to_end(prefill_chunk_steps(model, rows, plan))
-    return SharedPrefill(state, window, logits, tuple(len(r) for r in rows), reserve_tokens, capture)
+    state, last_queries, logits = run_to_end(prefill_chunk_steps(model, rows, plan))
+    return SharedPrefill(state, last_queries, logits, tuple(len(r) for r in rows), reserve_tokens, capture)
 
 
 def derive(model: Model, shared: SharedPrefill, policy: Policy | None) -> tuple[KVState, jax.Array]:
@@ -111,11 +111,12 @@ def derive(model: Model, shared: SharedPrefill, policy: Policy | None) -> tuple[
             f"policy {policy.name!r} reads what the shared prefill did not gather ({shared.capture}); include it "
             "in shared_prefill's policies"
         )
-    window = None
+    last_queries = None
     if compressor.window_size:
         have, w = shared.capture.window, compressor.window_size
-        window = {"q": shared.window["q"][:, :, have - w :], "pos": shared.window["pos"][:, have - w :]}
-    state = compress_prefilled(model, state, window, policy, shared.prompt_lengths, shared.reserve_tokens)
+        carried = shared.last_queries
+        last_queries = {"q": carried["q"][:, :, have - w :], "pos": carried["pos"][:, have - w :]}
+    state = compress_prefilled(model, state, last_queries, policy, shared.prompt_lengths, shared.reserve_tokens)
     return state, shared.logits
 
 

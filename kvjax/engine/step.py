@@ -1,4 +1,5 @@
-"""The jitted steps over the paged KV state: append a chunk to every layer and attend, and compress.
+"""The jitted steps over the paged KV state (append a chunk to every layer and attend; compress), and a
+prefill chunk's loop over layers, which reads top to bottom as `kvjax.engine.decode`'s does.
 
 Notes: docs/modules.md (`kvjax/engine/step.py`)."""
 
@@ -14,12 +15,13 @@ import jax.numpy as jnp
 from kvjax.cache.attention import attention_column_sums, blocked_paged_attention
 from kvjax.cache.compaction import compact_layer
 from kvjax.engine.decode import (
-    SLOT_FIELDS, VIEW_LAYOUTS, decode_forward, decode_plans, new_sketch_rows, page_view, prompt_view, slot_fields,
+    SLOT_FIELDS, VIEW_LAYOUTS, decode_forward, decode_plans, new_sketch_rows, over_layers, page_view, prompt_view,
+    slot_fields,
 )
 from kvjax.models.config import ModelConfig
-from kvjax.models import CausalLM, Segment, segments_by
-from kvjax.policies import Policy, layer_roles
 from kvjax.models.rope import rope_frequencies
+from kvjax.models.transformer import embed, final_logits, layer_inputs, layer_output
+from kvjax.policies import Policy, layer_roles
 from kvjax.cache.state import (
     KVState,
     add_slot_scores,
@@ -30,10 +32,6 @@ from kvjax.cache.state import (
     overflow_error,
 )
 
-# attend for one segment of the step: (layer, AttentionInputs, state) -> (output [B, C, Hq, D], state)
-LayerAttend = Callable[[Any, Any, KVState, Any], tuple[jax.Array, KVState, Any]]  # (layer, inputs, state, observed)
-
-
 # ------------------------------------------------------------------------------------------- per layer
 
 
@@ -43,10 +41,9 @@ def layer_segments(policy: Policy, state: KVState, num_layers: int, windows: tup
     model's `ModelConfig.windows`; empty: none). Usually one or two runs (dense layers first), so the
     steps' compile time does not grow with depth (a model alternating windows, Gemma-2's, has one run a
     layer)."""
-    return segments_by(
-        num_layers,
-        lambda l: (layer_roles(policy, l), state.layer_read_pages(l), windows[l] if windows else 0),
-    )
+    key = [(layer_roles(policy, l), state.layer_read_pages(l), windows[l] if windows else 0) for l in range(num_layers)]
+    starts = [l for l in range(num_layers) if l == 0 or key[l] != key[l - 1]]
+    return tuple(zip(starts, starts[1:] + [num_layers]))
 
 
 def append_and_attend(state: KVState, layer, q, k, v, positions, num_new, *, policy: Policy, accumulate: bool = False,
@@ -66,51 +63,60 @@ def append_and_attend(state: KVState, layer, q, k, v, positions, num_new, *, pol
     return add_slot_scores(state, layer, sums), out
 
 
-def append_and_attend_window(state: KVState, layer, q, k, v, positions, num_new, *, window: int, next_position):
-    """One layer of a prefill chunk in a layer with a sliding window of `window` tokens (a query at p sees
-    p - window + 1 .. p): attend with the window mask (`blocked_paged_attention`), then compact the layer
-    to the tokens after `next_position - window` (`compact_layer`, pages freed), so a windowed layer never
-    holds more than `window - 1 + C` slots (Jenga's point; a decode step's own rule is
+def append_and_attend_sliding(state: KVState, layer, q, k, v, positions, num_new, *, sliding: int, next_position):
+    """One layer of a prefill chunk in a layer with a sliding window of `sliding` tokens (a query at p sees
+    p - sliding + 1 .. p): attend with the window mask (`blocked_paged_attention`), then compact the layer
+    to the tokens after `next_position - sliding` (`compact_layer`, pages freed), so such a layer never
+    holds more than `sliding - 1 + C` slots (Jenga's point; a decode step's own rule is
     `kvjax.engine.decode.attend_in_window`). Shapes as `append_and_attend`; returns `(state, out)`."""
     state = append_to_layer(state, layer, k, v, positions, num_new)
-    out = blocked_paged_attention(q, positions, state, layer, window=window)
+    out = blocked_paged_attention(q, positions, state, layer, window=sliding)
     _, _, slot_pos, valid = gather_layer(state, layer)  # [B, H, S]
-    keep = valid & (slot_pos > next_position[:, None, None] - window)  # at most window - 1 positions
-    bound = max(1, min(window - 1, keep.shape[-1]))
+    keep = valid & (slot_pos > next_position[:, None, None] - sliding)  # at most sliding - 1 positions
+    bound = max(1, min(sliding - 1, keep.shape[-1]))
     keep_slots = jnp.argsort(~keep, axis=-1, stable=True)[..., :bound].astype(jnp.int32)  # kept first, in slot order
     state = compact_layer(state, layer, keep_slots, keep.sum(-1).astype(jnp.int32))
     return state.replace(hole=state.hole.at[layer].set(-1)), out
 
 
-class PrefillRoles(NamedTuple):
-    """What a prefill chunk does in a segment of layers, from the policy's roles (static)."""
+class ChunkPlan(NamedTuple):
+    """What a prefill chunk does in layers `start .. stop - 1` (static, derived once from the policy's roles)."""
 
-    accumulate: bool  # every query's attention is added to slot_score (H2O)
-    chunks: Any  # the chunk schedule whose per-token scores the appended slots take (Locret's prefill)
-
-
-def prefill_roles(policy: Policy, layer: int) -> PrefillRoles:
-    """What the policy's compressor asks of a prefill chunk in `layer` (a plain int: the first of its segment)."""
-    if not layer_roles(policy, layer).compress:
-        return PrefillRoles(accumulate=False, chunks=None)
-    return PrefillRoles(accumulate=policy.compressor.accumulates_attention, chunks=policy.compressor.chunks)
+    start: int
+    stop: int
+    sliding: int  # the layers' sliding window (0: none; no policy acts there)
+    accumulate: bool  # every real query's attention is added to slot_score (H2O)
+    schedule: Any  # the compressor's `ChunkSchedule`, whose per-token scores the new slots take (Locret), or None
 
 
-# ------------------------------------------------------------------------------------- window carry
+def chunk_plans(policy: Policy, segments, windows: tuple) -> tuple[ChunkPlan, ...]:
+    """One `ChunkPlan` per run of alike layers (`segments`, `layer_segments`), from the roles the policy
+    plays there (`layer_roles`); a sliding-window layer's own rule replaces them."""
+    plans = []
+    for start, stop in segments:
+        sliding = windows[start] if windows else 0
+        compressor = policy.compressor if layer_roles(policy, start).compress and not sliding else None
+        accumulate = compressor is not None and compressor.accumulates_attention
+        plans.append(ChunkPlan(start, stop, sliding, accumulate, None if compressor is None else compressor.chunks))
+    return tuple(plans)
 
 
-def keep_last(window, chunk, num_new):
-    """Each row's last w real entries of concat(window, chunk): `window [B, w, ...]`, `chunk [B, C, ...]`,
+# ------------------------------------------------------------------------------------ last queries
+
+
+def keep_last(carry, chunk, num_new):
+    """Each row's last w real entries of concat(carry, chunk): `carry [B, w, ...]`, `chunk [B, C, ...]`,
     `num_new int32[B]` real entries per chunk row."""
-    w = window.shape[1]
+    w = carry.shape[1]
     rows = num_new[:, None] + jnp.arange(w)[None, :]  # [B, w] rows of the concatenation
-    rows = rows.reshape(rows.shape + (1,) * (window.ndim - 2))
-    return jnp.take_along_axis(jnp.concatenate([window, chunk.astype(window.dtype)], axis=1), rows, axis=1)
+    rows = rows.reshape(rows.shape + (1,) * (carry.ndim - 2))
+    return jnp.take_along_axis(jnp.concatenate([carry, chunk.astype(carry.dtype)], axis=1), rows, axis=1)
 
 
-def new_window(cfg: ModelConfig, batch: int, size: int, dtype):
-    """The prefill carry of each sequence's last `size` queries per layer: `{"q": [L, B, w, Hq, D],
-    "pos": int32[B, w]}` (-1 before the prompt start), or None when the policy needs none."""
+def new_last_queries(cfg: ModelConfig, batch: int, size: int, dtype):
+    """The prefill's carry of each sequence's last `size` queries per layer (what a compressor's
+    `window_size` asks for: SnapKV's observation window): `{"q": [L, B, w, Hq, D], "pos": int32[B, w]}`
+    (-1 before the prompt start), or None when the policy needs none."""
     if size <= 0:
         return None
     return {
@@ -119,42 +125,65 @@ def new_window(cfg: ModelConfig, batch: int, size: int, dtype):
     }
 
 
-# ------------------------------------------------------------------------------------------- forward
+# ------------------------------------------------------------------------------------------- prefill
 
 
-def forward_chunk(
-    params, cfg: ModelConfig, dtype, policy: Policy, tokens, positions, num_new, last_logits, state: KVState, window,
-    attend_for: Callable[[int, int], LayerAttend], observed=None,
-):
-    """The model over one chunk `tokens int32[B, C]` at `positions int32[B, C]`.
-
-    `attend_for(start, stop)` gives the attend of layers start .. stop - 1 (one of `layer_segments`); it
-    sees the state with that segment's read bound (`KVState.for_layers`) and a traced layer index. The
-    window carry (`new_window`) takes each layer's last queries; `observed` is a caller's carry each layer's
-    attend may update. Returns `(state, window, logits f32[B, V], observed)`: logits at each row's last real
-    token, `last_logits` where a row has none."""
+def prefill_forward(params, state: KVState, tokens, positions, num_new, next_position, last_queries, plans, *,
+                    cfg: ModelConfig, dtype, policy: Policy, placement, rope, policy_params=None,
+                    observe: Callable | None = None, observed=None):
+    """The model over one prefill chunk `tokens int32[B, C]` at `positions int32[B, C]` (the first
+    `num_new int32[B]` of each row real) whose pages are allocated: embed, each plan's layers
+    (`prefill_layer`), final norm and logits at each row's last real token (any token of a row with none).
+    Returns `(state, last_queries, logits f32[B, V], observed)`."""
     B, C = tokens.shape
-    segments = []
-    for start, stop in layer_segments(policy, state, cfg.num_layers, cfg.windows):
-        layer_attend = attend_for(start, stop)
+    layers = params["layers"]
 
-        def attend(layer, inputs, carry, layer_attend=layer_attend, start=start, stop=stop):
-            state, window_q, observed = carry
-            out, new, observed = layer_attend(layer, inputs, state.for_layers(start, stop), observed)
-            if window_q is not None:
-                window_q = window_q.at[layer].set(keep_last(window_q[layer], inputs.q, num_new))
-            return out, (new.replace(read_pages=state.read_pages), window_q, observed)
+    def one_layer(layer, plan, state, carry):
+        x, queries, observed = carry
+        x, state, queries, observed = prefill_layer(
+            layers, layer, x, state, positions, num_new, next_position, plan, queries, cfg=cfg, dtype=dtype,
+            policy=policy, placement=placement, rope=rope, policy_params=policy_params, observe=observe,
+            observed=observed,
+        )
+        return state, (x, queries, observed)
 
-        segments.append(Segment(start, stop, attend))
-    module = CausalLM(cfg, dtype)
-    rope = rope_frequencies(cfg, state.long_rope)
-    carry = (state, None if window is None else window["q"], observed)
-    hidden, (state, window_q, observed) = module.apply({"params": params}, tokens, positions, rope, segments, carry)
-    if window is not None:
-        window = {"q": window_q, "pos": keep_last(window["pos"], positions, num_new)}
-    last = jnp.clip(num_new - 1, 0, C - 1)
-    logits = module.apply({"params": params}, hidden[jnp.arange(B), last], method=CausalLM.logits)
-    return state, window, jnp.where((num_new > 0)[:, None], logits, last_logits), observed
+    queries = None if last_queries is None else last_queries["q"]
+    state, (x, queries, observed) = over_layers(plans, one_layer, state,
+                                                (embed(params, cfg, dtype, tokens), queries, observed))
+    if last_queries is not None:
+        last_queries = {"q": queries, "pos": keep_last(last_queries["pos"], positions, num_new)}
+    logits = final_logits(params, cfg, dtype, x[jnp.arange(B), jnp.clip(num_new - 1, 0, C - 1)])
+    return state, last_queries, logits, observed
+
+
+def prefill_layer(layers, layer, x, state: KVState, positions, num_new, next_position, plan: ChunkPlan, queries, *,
+                  cfg: ModelConfig, dtype, policy: Policy, placement, rope, policy_params=None,
+                  observe: Callable | None = None, observed=None):
+    """One layer of a prefill chunk, `x [B, C, E]` -> `(x, state, queries, observed)`: the model's first
+    half (norm, q/k/v, RoPE), then on the layer's pages write the chunk's k/v (with the schedule's
+    per-token scores) and attend (adding H2O's attention sums), then the chunk's queries into the carry of
+    last queries (`queries [L, B, w, Hq, D]` or None), `observe` (`append_step`), the model's second half."""
+    inputs = layer_inputs(layers, layer, cfg, dtype, x, positions, rope, first=plan.start, stop=plan.stop)
+    args = (state, layer, inputs.q, inputs.k, inputs.v, positions, num_new, next_position)
+    layouts = ("state", "", "bchd", "bchd", "bchd", "bc", "b", "b")  # the traced layer enters a shard as an argument
+    if plan.sliding:
+        def on_pages(state, layer, q, k, v, positions, num_new, next_position):
+            return append_and_attend_sliding(state, layer, q, k, v, positions, num_new, sliding=plan.sliding,
+                                             next_position=next_position)
+    else:
+        if plan.schedule is not None:  # a per-token score (Locret's heads read every head's features)
+            args, layouts = args + (plan.schedule.score(layer, inputs, policy_params),), layouts + ("bch",)
+
+        def on_pages(state, layer, q, k, v, positions, num_new, next_position, score=None):
+            return append_and_attend(state, layer, q, k, v, positions, num_new, policy=policy,
+                                     accumulate=plan.accumulate, score=score)
+
+    state, out = placement.per_shard(on_pages, layouts, ("state", "bchd"))(*args)
+    if queries is not None:
+        queries = queries.at[layer].set(keep_last(queries[layer], inputs.q, num_new))
+    if observe is not None:
+        observed = observe(layer, inputs, state, observed)
+    return layer_output(layers, layer, cfg, dtype, x, out, first=plan.start, stop=plan.stop), state, queries, observed
 
 
 def scan_layers(body: Callable[[Any, Any], Any], carry, start: int, stop: int):
@@ -192,8 +221,8 @@ class OneDevice:
         """int32[B]: each sequence's next position."""
         return state.next_position
 
-    def with_next_position(self, state: KVState, seen: jax.Array) -> KVState:
-        return state.replace(next_position=seen)
+    def with_next_position(self, state: KVState, next_position: jax.Array) -> KVState:
+        return state.replace(next_position=next_position)
 
 
 ONE_DEVICE = OneDevice()
@@ -213,73 +242,52 @@ def _allocate(state: KVState, num_new, *, C: int, placement: OneDevice):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "dtype", "policy", "placement", "observe"), donate_argnames=("state", "window")
+    jax.jit, static_argnames=("cfg", "dtype", "policy", "placement", "observe"),
+    donate_argnames=("state", "last_queries"),
 )
 def append_step(
-    params, state: KVState, window, tokens, num_new, last_logits, policy_params=None, *, cfg: ModelConfig, dtype,
-    policy: Policy, placement: OneDevice = ONE_DEVICE, observe: Callable | None = None, observed=None,
+    params, state: KVState, last_queries, tokens, num_new, last_logits, policy_params=None, *, cfg: ModelConfig,
+    dtype, policy: Policy, placement: OneDevice = ONE_DEVICE, observe: Callable | None = None, observed=None,
 ):
     """Append `tokens int32[B, C]` (the first `num_new int32[B]` of each row are real) to every layer and
-    attend. `params` is the model's parameter tree, `window` the prefill carry (`new_window`, or None),
-    `last_logits f32[B, V]` the logits to keep for rows with nothing new, `policy_params` the arrays of the
-    compressor's chunk schedule (`compressor.chunks.params`, Locret's heads) in prefill, else None. `placement`:
-    where the state lives (`OneDevice`, or a mesh's stacked state, `kvjax.distributed.MeshPlacement`).
+    attend. `params` is the model's parameter tree, `last_queries` the prefill's carry of last queries
+    (`new_last_queries`, or None), `last_logits f32[B, V]` the logits to keep for rows with nothing new,
+    `policy_params` the arrays of the compressor's chunk schedule (`compressor.chunks.params`, Locret's
+    heads) in prefill, else None. `placement`: where the state lives (`OneDevice`, or a mesh's stacked
+    state, `kvjax.distributed.MeshPlacement`).
 
-    One token per row with no prefill carry is a decode step (`kvjax.engine.decode`: the policy's page
-    selection and decode-time eviction apply); anything else a prefill chunk. Returns the state, the window
-    carry and logits `f32[B, V]` at each row's last real token.
+    One token per row with no carry of last queries is a decode step (`kvjax.engine.decode.decode_forward`:
+    the policy's page selection and decode-time eviction apply); anything else a prefill chunk
+    (`prefill_forward`). Returns the state, the carry of last queries and logits `f32[B, V]` at each row's
+    last real token.
 
     `observe(layer, inputs, state, observed) -> observed` (one device) sees each layer's `AttentionInputs`
     and its state after the append, and updates the caller's carry `observed` (arrays with a leading `[L]`
     axis: the layers run in a scan); the step then returns `observed` as a fourth value. Locret's labels
     record their features and score the answer this way, through the same step as generation.
     """
-    B, C = tokens.shape
-    on_shards = placement.per_shard
+    C = tokens.shape[1]
     allocate = functools.partial(_allocate, C=C, placement=placement)
-    state, num_new = on_shards(allocate, ("state", "b"), ("state", "b"))(state, num_new)
-    seen = placement.next_position(state) + num_new
-    if C == 1 and window is None and observe is None:
-        plans = decode_plans(policy, layer_segments(policy, state, cfg.num_layers, cfg.windows), cfg.windows)
-        state, logits = decode_forward(params, state, tokens, num_new, seen, plans, cfg=cfg, dtype=dtype, policy=policy,
-                                       placement=placement, rope=rope_frequencies(cfg, state.long_rope))
-        logits = jnp.where((num_new > 0)[:, None], logits, last_logits)
-        return placement.with_next_position(state, seen), window, logits
-    positions = placement.next_position(state)[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
-    chunk = ("bchd", "bchd", "bchd", "bc", "b", "b")  # q, k, v, positions, num_new, seen
-
-    def attend_for(start: int, stop: int) -> LayerAttend:
-        roles = prefill_roles(policy, start)
-        sliding = cfg.windows[start]
-
-        def in_window(st, layer, q, k, v, pos, n, next_position):
-            return append_and_attend_window(st, layer, q, k, v, pos, n, window=sliding, next_position=next_position)
-
-        # the traced layer index enters a shard as an argument, not by closure
-        def local(st, layer, q, k, v, pos, n, next_position, score=None):
-            return append_and_attend(st, layer, q, k, v, pos, n, policy=policy, accumulate=roles.accumulate,
-                                     score=score)
-
-        def attend(layer, inputs, state, observed):
-            args = (state, layer, inputs.q, inputs.k, inputs.v, inputs.positions, num_new, seen)
-            layouts = ("state", "") + chunk
-            if sliding:
-                state, out = on_shards(in_window, layouts, ("state", "bchd"))(*args)
-            else:
-                if roles.chunks is not None:  # a per-token score (Locret's heads read every head's features)
-                    args, layouts = args + (roles.chunks.score(layer, inputs, policy_params),), layouts + ("bch",)
-                state, out = on_shards(local, layouts, ("state", "bchd"))(*args)
-            if observe is not None:
-                observed = observe(layer, inputs, state, observed)
-            return out, state, observed
-
-        return attend
-
-    state, window, logits, observed = forward_chunk(
-        params, cfg, dtype, policy, tokens, positions, num_new, last_logits, state, window, attend_for, observed
-    )
-    state = placement.with_next_position(state, seen)
-    return (state, window, logits) if observe is None else (state, window, logits, observed)
+    state, num_new = placement.per_shard(allocate, ("state", "b"), ("state", "b"))(state, num_new)
+    start = placement.next_position(state)  # int32[B]: each row's first new position
+    next_position = start + num_new
+    segments = layer_segments(policy, state, cfg.num_layers, cfg.windows)
+    rope = rope_frequencies(cfg, state.long_rope)
+    positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    if C == 1 and last_queries is None and observe is None:
+        plans = decode_plans(policy, segments, cfg.windows)
+        state, logits = decode_forward(params, state, tokens, positions, num_new, next_position, plans, cfg=cfg,
+                                       dtype=dtype, policy=policy, placement=placement, rope=rope)
+    else:
+        plans = chunk_plans(policy, segments, cfg.windows)
+        state, last_queries, logits, observed = prefill_forward(
+            params, state, tokens, positions, num_new, next_position, last_queries, plans, cfg=cfg, dtype=dtype,
+            policy=policy, placement=placement, rope=rope, policy_params=policy_params, observe=observe,
+            observed=observed,
+        )
+    logits = jnp.where((num_new > 0)[:, None], logits, last_logits)
+    state = placement.with_next_position(state, next_position)
+    return (state, last_queries, logits) if observe is None else (state, last_queries, logits, observed)
 
 
 def compressed_layer(policy: Policy, layer: int, windows: tuple = ()) -> bool:
@@ -319,14 +327,15 @@ def pooled_threshold(state: KVState, policy: Policy, num_layers: int, windows: t
     donate_argnames=("state",),
 )
 def compress_step(
-    state: KVState, window, final=None, *, num_layers: int, policy: Policy, keep_bound: int, read_pages: tuple | None,
-    windows: tuple = (), placement: OneDevice = ONE_DEVICE,
+    state: KVState, last_queries, final=None, *, num_layers: int, policy: Policy, keep_bound: int,
+    read_pages: tuple | None, windows: tuple = (), placement: OneDevice = ONE_DEVICE,
 ):
     """Apply the policy's keep sets (at most `keep_bound` slots per head, static; a per-layer budget below
     it, PyramidKV's, is data) to every compressed layer (none inside a sliding window of `windows`), then
-    bound each layer's pages to `read_pages`. `window` is the prefill carry; `final bool[B]` (per-chunk
-    compression): whether this was each sequence's last prefill chunk. The policy decides on each layer's
-    whole view; the pages are compacted where they live (`placement`, as in `append_step`)."""
+    bound each layer's pages to `read_pages`. `last_queries` is the prefill's carry (`new_last_queries`, or
+    None); `final bool[B]` (per-chunk compression): whether this was each sequence's last prefill chunk. The
+    policy decides on each layer's whole view; the pages are compacted where they live (`placement`, as in
+    `append_step`)."""
     compressor = policy.compressor
     next_position = placement.next_position(state)
     view_parts = placement.per_shard(slot_fields, ("state", ""), {name: VIEW_LAYOUTS[name] for name in SLOT_FIELDS})
@@ -340,7 +349,7 @@ def compress_step(
 
         def body(state, layer, start=start, stop=stop):
             local = state.for_layers(start, stop)
-            view = prompt_view(local, layer, num_layers, next_position, final, window, threshold,
+            view = prompt_view(local, layer, num_layers, next_position, final, last_queries, threshold,
                                slots=view_parts(local, layer))
             keep_slots, keep_count = compressor.compress_layer(view, keep_bound)
             return compact(local, layer, keep_slots, keep_count).replace(read_pages=state.read_pages)
@@ -377,25 +386,26 @@ LOCAL_BACKEND = StepBackend(local_state, append_step, compress_step, overflow_er
 
 __all__ = [
     "LOCAL_BACKEND",
-    "PrefillRoles",
+    "ChunkPlan",
     "ONE_DEVICE",
     "OneDevice",
     "SLOT_FIELDS",
     "VIEW_LAYOUTS",
     "StepBackend",
     "append_and_attend",
-    "append_and_attend_window",
+    "append_and_attend_sliding",
     "append_step",
+    "chunk_plans",
     "compress_segments",
     "compress_step",
     "compressed_layer",
-    "forward_chunk",
     "keep_last",
-    "prefill_roles",
     "layer_segments",
     "local_state",
-    "new_window",
+    "new_last_queries",
     "page_view",
+    "prefill_forward",
+    "prefill_layer",
     "prompt_view",
     "scan_layers",
 ]

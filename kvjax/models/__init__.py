@@ -9,11 +9,10 @@ from kvjax.models.transformer import (
     first_layers,
     is_unstacked,
     layer_params,
-    segments_by,
     stack_layers,
     unrolled,
     unstack_layers,
 )
 
-__all__ = ["AttentionInputs", "CausalLM", "Segment", "first_layers", "is_unstacked", "layer_params", "segments_by",
-           "stack_layers", "unrolled", "unstack_layers"]
+__all__ = ["AttentionInputs", "CausalLM", "Segment", "first_layers", "is_unstacked", "layer_params", "stack_layers",
+           "unrolled", "unstack_layers"]

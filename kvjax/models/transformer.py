@@ -1,11 +1,12 @@
-"""A Flax Linen decoder (Llama / Mistral / Qwen2 / Phi-3 / Gemma-3) whose attention is supplied by the caller.
+"""A Flax Linen decoder (Llama / Mistral / Qwen2 / Phi-3 / Gemma-3): the pieces of a layer for a caller's
+layer loop, and a forward whose attention (`attend`) the caller supplies.
 
 Notes: docs/modules.md (`kvjax/models/transformer.py`)."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Hashable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
@@ -46,19 +47,9 @@ class Segment(NamedTuple):
     attend: AttendFn
 
 
-def segments_by(num_layers: int, key: Callable[[int], Hashable]) -> tuple[tuple[int, int], ...]:
-    """Runs `(start, stop)` of consecutive layers with equal `key(layer)`, covering 0 .. num_layers - 1."""
-    runs, start = [], 0
-    for layer in range(1, num_layers + 1):
-        if layer == num_layers or key(layer) != key(start):
-            runs.append((start, layer))
-            start = layer
-    return tuple(runs)
-
-
 def unrolled(attend: AttendFn, num_layers: int) -> tuple[Segment, ...]:
     """One segment per layer: the forward runs them unscanned and `attend` gets each layer as a Python int
-    (compile time grows with depth again). For inspection: an `attend` that branches on the layer in
+    (compile time grows with depth). For inspection: an `attend` that branches on the layer in
     Python, records into Python containers, or returns a carry whose structure changes."""
     return tuple(Segment(layer, layer + 1, attend) for layer in range(num_layers))
 

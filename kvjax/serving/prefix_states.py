@@ -24,7 +24,7 @@ def chunk_boundaries(prompt: Sequence[int], chunk: int) -> list[tuple[int, bytes
 
 def carry_bytes(carry: PrefillCarry) -> int:
     """Device bytes an entry holds."""
-    return sum(x.nbytes for x in jax.tree.leaves((carry.state, carry.window, carry.logits)))
+    return sum(x.nbytes for x in jax.tree.leaves((carry.state, carry.last_queries, carry.logits)))
 
 
 @dataclass
@@ -90,8 +90,8 @@ class PrefixStates:
             return
         if self.lru.max_bytes == 0:
             return
-        copy = PrefillCarry(narrow_row(carry.state), jax.tree.map(jnp.copy, carry.window), jnp.copy(carry.logits),
-                            carry.tokens)
+        copy = PrefillCarry(narrow_row(carry.state), jax.tree.map(jnp.copy, carry.last_queries),
+                            jnp.copy(carry.logits), carry.tokens)
         evicted = self.lru.evicted
         if self.lru.put(name, copy, carry_bytes(copy)):
             self.stats.stored += 1

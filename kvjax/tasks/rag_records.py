@@ -1,4 +1,4 @@
-"""Multi-document RAG prompts on the shipped model's synthetic records, for CacheClip (issue 8's recipe).
+"""Multi-document RAG prompts on the shipped model's synthetic records, for CacheClip (docs/cacheclip.md).
 
 Notes: docs/modules.md (`kvjax/tasks/rag_records.py`)."""
 
