@@ -212,6 +212,9 @@ def main(argv=None) -> int:
                         help="prefill the question with the context (SnapKV's setting) instead of feeding it by decode")
     parser.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "int8"],
                         help="KV page dtype (default: the model's dtype)")
+    parser.add_argument("--reuse", default=None,
+                        help="another sweep's checkpoint (.batches.jsonl) of the same setting: cells it holds for a "
+                             "batch this call runs are copied from it instead of run")
     parser.add_argument("--out", default=default_out("sweep"))
     parser.add_argument("--name", default="sweep")
     args = parser.parse_args(argv)
@@ -225,7 +228,7 @@ def main(argv=None) -> int:
     result = run_sweep(model, args.policies, args.budgets, args.lengths, args.tasks, args.samples, args.records,
                        args.seed, args.dense_layers, batch_size=args.batch_size, latency=not args.no_latency,
                        checkpoint=f"{args.out}/{args.name}.batches.jsonl", max_batches=args.max_batches,
-                       question_in_prefill=args.question_in_prefill)
+                       question_in_prefill=args.question_in_prefill, reuse=args.reuse)
     result["model"] = args.model
     result["kv_dtype"] = jnp_name(model.cache_dtype)
     table = accuracy_table(result)

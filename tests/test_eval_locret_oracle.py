@@ -8,7 +8,7 @@ import numpy as np
 import kvjax
 from conftest import random_tokens
 from kvjax.cache.compaction import kept_positions
-from kvjax.eval.locret_oracle import LabelScoredLocret
+from kvjax.eval.lib.locret_labels import LabelScoredLocret
 
 CHUNK, BUDGET, TAIL, STABLE = 32, 24, 8, 6  # evict budget b = BUDGET - TAIL = 16
 
@@ -43,7 +43,7 @@ def test_label_table_labels_are_compute_targets_labels():
     (`compute_targets`) of the context tokens for question + answer and for the answer alone."""
     import kvjax
     from kvjax.eval.locret_label_table import answer_labels
-    from kvjax.eval.locret_oracle import batch_labels
+    from kvjax.eval.lib.locret_labels import batch_labels
 
     model = kvjax.load_model("tiny")
     rng = np.random.default_rng(0)

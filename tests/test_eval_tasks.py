@@ -256,6 +256,35 @@ def test_sweep_resumes_from_its_checkpoint(tmp_path, monkeypatch):
         run_sweep(None, **{**kwargs, "num_samples": 8})
 
 
+def test_sweep_copies_the_cells_another_checkpoint_holds(tmp_path, monkeypatch):
+    """`reuse`: cells another sweep of the same setting holds for a batch this call runs are copied, not run, and
+    only for the batches run (so every cell of the report covers the same samples)."""
+    calls = []
+
+    def answer(correct):
+        def fake(model, policies, samples, task, n_tokens, **kw):
+            calls.append(tuple(policies))
+            return {key: [retrieval.Scored(task, n_tokens, 0.5, "1", "1", correct, "1")] * len(samples)
+                    for key in policies}
+        return fake
+
+    monkeypatch.setattr(retrieval, "task_samples", lambda model, task, n, num, seed, records: list(range(num)))
+    kwargs = dict(budgets=(64,), lengths=(512,), tasks=("passkey",), num_samples=4, batch_size=2, latency=False,
+                  progress=False)
+    other, mine = str(tmp_path / "other.jsonl"), str(tmp_path / "mine.jsonl")
+    monkeypatch.setattr(retrieval, "answer_shared", answer(True))
+    run_sweep(None, policies=("full", "streaming"), checkpoint=other, **kwargs)
+    monkeypatch.setattr(retrieval, "answer_shared", answer(False))
+    calls.clear()
+    result = run_sweep(None, policies=("full", "streaming", "h2o"), checkpoint=mine, reuse=other, max_batches=1,
+                       **kwargs)
+    assert calls == [("h2o@64",)]
+    cells = {r["policy"]: (r["accuracy"], r["samples"]) for r in result["accuracy"]}
+    assert cells == {"full": (1.0, 2), "streaming": (1.0, 2), "h2o": (0.0, 2)}
+    with open(mine) as f:
+        assert [json.loads(line)["reused_from"] for line in f] == [other]
+
+
 def test_sweep_reports_every_task_its_checkpoint_holds(tmp_path, monkeypatch):
     """A call naming one task, length or policy still reports the others the checkpoint holds for its setting."""
     monkeypatch.setattr(retrieval, "answer_shared", lambda model, policies, samples, task, n_tokens, **kw: {
@@ -322,6 +351,24 @@ def test_default_model_recipe_sets_a_previous_token_head_and_trains():
         params, state, loss, _ = step(params, state, tokens, mask)
         losses.append(float(loss))
     assert losses[-1] < losses[0]
+
+
+def test_trace_compares_the_policies_kept_slots():
+    """`kept_overlap` is the share of the reference's kept positions also kept, per layer and head; the trace's
+    second table weights it by the reference's slots and spreads each policy's slots over the top layers."""
+    from kvjax.eval.lib.needles import kept_overlap
+    from kvjax.eval.trace_needle import overlap_table
+
+    a = [[[np.array([1, 2, 3]), np.array([], int)]]]  # one layer, one row, two kv heads
+    b = [[[np.array([2, 3, 4, 5]), np.array([], int)]]]
+    np.testing.assert_allclose(kept_overlap(a, b), [[0.5, 1.0]])
+    np.testing.assert_allclose(kept_overlap(b, a), [[2 / 3, 1.0]])
+    policies = {"full": {}, "locret:x": {"kept_slots": [[2], [4]], "keeps_of": {"kvzip": [[0.5], [1.0]]}},
+                "kvzip": {"kept_slots": [[4], [2]], "keeps_of": {"locret:x": [[1.0], [0.5]]}}}
+    table = overlap_table({"policies": policies}, top=[1, 0])
+    assert "| locret | 3 (2-4) | 4 2 |  | 67% (100 50) |" in table, table
+    assert "| kvzip | 3 (2-4) | 2 4 | 67% (50 100) |  |" in table, table
+    assert overlap_table({"policies": {"full": {}, "snapkv": {"kept_share": []}}}, top=[0]) == ""
 
 
 def test_trace_needle_mass_and_kept_share(shipped):

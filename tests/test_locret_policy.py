@@ -98,6 +98,17 @@ def test_stabilizers_survive_non_final_chunks(setup):
             assert set(positions[positions < CHUNK].tolist()) <= first
 
 
+def test_sinks_are_kept_within_the_budget(setup):
+    """`sink_size`: the prompt's first tokens survive every chunk's eviction in every head, inside the budget."""
+    model, heads = setup
+    tokens = random_tokens(12, (1, 2 * CHUNK + TAIL))
+    sinks = set(range(2))
+    plain = kept_positions(_prefill(model, tokens, _policy(heads))[0])
+    kept = kept_positions(_prefill(model, tokens, _policy(heads, sink_size=2))[0])
+    assert all(sinks <= set(h.tolist()) and len(h) == BUDGET for layer in kept for h in layer[0])
+    assert not all(sinks <= set(h.tolist()) for layer in plain for h in layer[0])  # the heads alone drop some
+
+
 @pytest.mark.parametrize("pool", ["head", "all"])
 def test_pool_is_sized_by_budget_not_prompt(setup, pool):
     model, heads = setup
@@ -172,6 +183,7 @@ def test_heads_from_paths_and_hashing(setup, tmp_path):
         ({"token_budget": 8, "local_tail": 8}, "must exceed local_tail"),
         ({"stabilizers": BUDGET - TAIL}, "stabilizers must be in"),
         ({"local_tail": -1}, "local_tail must be >= 0"),
+        ({"sink_size": BUDGET - TAIL - STABLE}, "sink_size must be in"),
     ],
 )
 def test_bad_options_name_the_field(setup, options, message):

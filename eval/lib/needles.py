@@ -57,6 +57,13 @@ def kept_share(state, span: np.ndarray, row: int = 0, kept: list | None = None) 
                      for l in range(len(kept))])
 
 
+def kept_overlap(kept, reference, row: int = 0) -> np.ndarray:
+    """f32[L, H]: per layer and kv head of sequence `row`, the share of `reference`'s kept positions that `kept`
+    also holds (both `kvjax.cache.compaction.kept_positions`); 1 where the reference keeps none."""
+    return np.array([[np.isin(reference[l][row][h], kept[l][row][h]).mean() if len(reference[l][row][h]) else 1.0
+                      for h in range(len(reference[l][row]))] for l in range(len(reference))])
+
+
 def value_span(model, sample, span: np.ndarray) -> np.ndarray:
     """int[N]: the positions of the asked value's tokens at the end of a RULER needle (its digits and the
     closing period); the whole needle for a passkey, whose key appears twice."""

@@ -38,7 +38,7 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
               num_records: int = 4, seed: int = 0, dense_layers: int = DEFAULT_DENSE_LAYERS, batch_size: int = 8,
               latency: bool = True, progress: bool = True, checkpoint: str | None = None,
               clear_compiled: bool = True, max_batches: int | None = None, latency_batch: int = 1,
-              question_in_prefill: bool = False) -> dict:
+              question_in_prefill: bool = False, reuse: str | None = None) -> dict:
     """Accuracy rows {task, length, policy, budget, accuracy, correct, samples} and latency rows.
 
     Each batch of samples is prefilled once, and every cell that compresses after prefill (or only
@@ -46,7 +46,9 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
     With `checkpoint` (a jsonl path) every finished batch is appended there with every cell's scores, and
     batches already in it (same setting) are not run again: a killed sweep resumes at the next batch, and
     `max_batches` bounds the batches run per (task, length) in this call (a long sweep spread over several
-    sessions: the tables report the samples done so far). The report covers every task, length and cell the
+    sessions: the tables report the samples done so far). With `reuse` (another sweep's checkpoint), the cells it
+    holds for the same setting and a batch this call runs are copied from it, not run (the same samples; the
+    line says `reused_from`). The report covers every task, length and cell the
     checkpoint holds for this setting, named in this call or not; the call runs only those named. With `latency`, decode speed per policy at the
     largest budget is timed on `latency_batch` prompts (`time_decodes`). `clear_compiled` drops JAX's compiled steps after
     each (task, length) (long sweeps; the demo keeps them, so its latency pass reuses them)."""
@@ -57,16 +59,8 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
                "batch_size": batch_size}
     if question_in_prefill:
         setting["question_in_prefill"] = True
-    done: dict = {}
-    seconds: dict = {}  # (task, length) -> seconds of the batches run, in this call or before it
-    if checkpoint and os.path.exists(checkpoint):
-        with open(checkpoint) as f:
-            for line in f:
-                row = json.loads(line)
-                if row.pop("setting", None) == setting:
-                    done.setdefault((row["task"], row["length"], row["batch"]), {}).update(row["scores"])
-                    key = (row["task"], row["length"])
-                    seconds[key] = seconds.get(key, 0.0) + row.get("seconds", 0.0)
+    done, seconds = read_checkpoint(checkpoint, setting)  # seconds: (task, length) -> seconds of the batches run
+    reused = read_checkpoint(reuse, setting)[0] if reuse else {}
     scores: dict = {}  # (task, length, cell key) -> [score per sample]; filled from `done` at the end
     batches = -(-num_samples // batch_size)
     for task in tasks:
@@ -80,26 +74,33 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
                 if max_batches is not None and ran >= max_batches:
                     todo = []  # this call's batches are spent: report what earlier runs checkpointed
                 if todo:
-                    if samples is None:
-                        samples = retrieval.task_samples(model, task, n_tokens, num_samples, seed, num_records)
-                    # strided: depths go in order over the samples, so each batch spans every depth and a
-                    # partial run (max_batches) is not biased towards the start of the context
-                    batch = samples[index::batches]
+                    there = reused.get((task, n_tokens, index), {})
+                    new = {cell_key(p, b): there[cell_key(p, b)] for p, b in todo if cell_key(p, b) in there}
+                    copied = len(new)
+                    bar.update(len(cells) - len(todo) + copied)
+                    todo = [(p, b) for p, b in todo if cell_key(p, b) not in new]
                     started = time.perf_counter()
-                    bar.update(len(cells) - len(todo))
-                    records = retrieval.answer_shared(
-                        model, {cell_key(p, b): build_policy(p, b, dense_layers) for p, b in todo}, batch, task,
-                        n_tokens, progress=bar, question_in_prefill=question_in_prefill)
-                    new = {key: [r.score if r.score is not None else float(r.correct) for r in rs]
-                           for key, rs in records.items()}
+                    if todo:
+                        if samples is None:
+                            samples = retrieval.task_samples(model, task, n_tokens, num_samples, seed, num_records)
+                        # strided: depths go in order over the samples, so each batch spans every depth and a
+                        # partial run (max_batches) is not biased towards the start of the context
+                        records = retrieval.answer_shared(
+                            model, {cell_key(p, b): build_policy(p, b, dense_layers) for p, b in todo},
+                            samples[index::batches], task, n_tokens, progress=bar,
+                            question_in_prefill=question_in_prefill)
+                        new.update({key: [r.score if r.score is not None else float(r.correct) for r in rs]
+                                    for key, rs in records.items()})
                     have = {**have, **new}
                     seconds[(task, n_tokens)] = seconds.get((task, n_tokens), 0.0) + time.perf_counter() - started
                     ran += 1
                     if checkpoint:
+                        line = {"task": task, "length": n_tokens, "batch": index, "scores": new,
+                                "seconds": round(time.perf_counter() - started, 2), "setting": setting}
+                        if copied:
+                            line["reused_from"] = reuse
                         with open(checkpoint, "a") as f:
-                            f.write(json.dumps({"task": task, "length": n_tokens, "batch": index, "scores": new,
-                                                "seconds": round(time.perf_counter() - started, 2),
-                                                "setting": setting}) + "\n")
+                            f.write(json.dumps(line) + "\n")
                 else:
                     bar.update(len(cells))
                 if have:
@@ -146,6 +147,22 @@ def run_sweep(model, policies: Sequence[str] = DEFAULT_POLICIES, budgets: Sequen
         "seed": seed, "question_in_prefill": question_in_prefill, "accuracy": rows, "latency": latency_rows,
         "seconds": {f"{t} {n}": round(v, 1) for (t, n), v in seconds.items()},
     }
+
+
+def read_checkpoint(path: str | None, setting: dict) -> tuple[dict, dict]:
+    """A sweep checkpoint's batches of `setting`: ({(task, length, batch): {cell key: [score per sample]}},
+    {(task, length): seconds}); empty where `path` is None or missing."""
+    done: dict = {}
+    seconds: dict = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                if row.pop("setting", None) == setting:
+                    done.setdefault((row["task"], row["length"], row["batch"]), {}).update(row["scores"])
+                    key = (row["task"], row["length"])
+                    seconds[key] = seconds.get(key, 0.0) + row.get("seconds", 0.0)
+    return done, seconds
 
 
 def pool_batches(done: dict) -> dict:

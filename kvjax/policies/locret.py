@@ -40,6 +40,7 @@ class Locret(Policy, Compressor):
     local_tail: int = 16  # n_loc: last prompt tokens appended without eviction
     pool: str = "head"  # "head": per kv head; "all": pooled over all compressed layers and kv heads (one device)
     head_cap: int = 4  # pool="all": a head keeps at most head_cap * (token_budget - local_tail) slots (its memory)
+    sink_size: int = 0  # first prompt tokens scored +inf, so kept within the budget (StreamingLLM's sinks)
     heads: Any = dataclasses.field(default=None, compare=False)  # data: never part of the identity
 
     def __post_init__(self):
@@ -82,6 +83,11 @@ class Locret(Policy, Compressor):
                 f"locret: stabilizers must be in [0, token_budget - local_tail = {self.evict_budget}), "
                 f"got {self.stabilizers}"
             )
+        if not 0 <= self.sink_size < self.evict_budget - self.stabilizers:
+            raise ValueError(
+                f"locret: sink_size must be in [0, token_budget - local_tail - stabilizers = "
+                f"{self.evict_budget - self.stabilizers}), got {self.sink_size}"
+            )
 
     def slots_needed(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> int:
         bound = self.head_bound + max(chunk_size, self.local_tail + max_new_tokens)
@@ -92,7 +98,8 @@ class Locret(Policy, Compressor):
 
     @property
     def chunks(self) -> ChunkSchedule:
-        return ChunkSchedule(tail=self.local_tail, score=_retaining_scores, params=self.heads.stacked)
+        return ChunkSchedule(tail=self.local_tail, score=with_sinks(_retaining_scores, self.sink_size),
+                             params=self.heads.stacked)
 
     def compress_layer(self, view: PromptView, keep_bound: int):
         stable = recent(view, self.stabilizers) & ~view.final_chunk[:, None, None]
@@ -103,6 +110,17 @@ class Locret(Policy, Compressor):
         # pooled: every slot at or above the pool's threshold, the stabilizers besides, at most head_bound
         kept = (view.valid & (view.slot_score >= view.pool_threshold[:, None, None])) | (stable & view.valid)
         return keep_top(scores, jnp.minimum(kept.sum(-1), keep_bound), keep_bound)
+
+
+def with_sinks(score, sink_size: int):
+    """`score` (a `ChunkSchedule.score`) with +inf on the prompt's first `sink_size` positions."""
+    if not sink_size:
+        return score
+
+    def scored(layer, inputs, params):
+        return jnp.where(inputs.positions[:, :, None] < sink_size, jnp.inf, score(layer, inputs, params))
+
+    return scored
 
 
 def _retaining_scores(layer, inputs, params) -> jax.Array:
