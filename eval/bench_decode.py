@@ -28,11 +28,11 @@ import os
 import statistics
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .lib.report import cpu_load, default_out, load_line, machine_info, markdown_table, write_outputs
+from .lib.setups import param_bytes
 from .lib.timing import DecodeRun, large_read, matmul_gflops
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # --model: the KV bytes a token takes per value
@@ -272,7 +272,7 @@ def bench_model(args) -> dict:
         model = kvjax.load_model(path, dtype=dtype)
         hf = load_transformers(path, dtype, args.threads)
         cfg = model.cfg
-        weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
+        weight_bytes = param_bytes(model.params)
         for context in tqdm(args.contexts, desc=f"{dtype} contexts"):
             prompt = np.random.default_rng(context).integers(0, cfg.vocab_size, (1, context)).astype(np.int32)
             kv_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype] * (context + args.steps // 2)

@@ -25,8 +25,8 @@ import functools
 import numpy as np
 
 from .lib.report import LOAD_AT_START, cpu_load, default_out, machine_info, markdown_table, write_outputs
-from .lib.setups import attention_heavy_config, step_bytes
-from .lib.tables import byte_bound as byte_bound_table, same_cell, selection_speed, vs_snapkv
+from .lib.setups import attention_heavy_config, param_bytes, step_bytes
+from .lib.tables import byte_bound, same_cell, selection_speed, vs_snapkv
 from .lib.timing import DecodeRun, round_robin, timed
 
 POLICIES = {
@@ -96,16 +96,14 @@ def kv_bytes_read(name: str, cfg, context: int, budget: int, page_size: int, kv_
 def weights_read_per_step(model) -> int:
     """Bytes of parameters one decode step reads: every weight, but of an untied input embedding only the
     token's row (tied, the logits read the whole table)."""
-    import jax
-
-    total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(model.params))
+    total = param_bytes(model.params)
     if not model.cfg.tie_word_embeddings:
         table = model.params["embed_tokens"]["embedding"]  # [vocab, hidden]
         total -= (table.shape[0] - 1) * table.shape[1] * table.dtype.itemsize
     return int(total)
 
 
-def byte_bound(weights: int, kv: int, kv_full: int | None, speedup: float | None) -> dict:
+def bound_from_bytes(weights: int, kv: int, kv_full: int | None, speedup: float | None) -> dict:
     """A policy's speed-up over full attention if a step cost only its bytes (the weights plus its KV
     reads, against the weights plus the full cache's), and how much of that gain the measured speed-up takes
     ((speed-up - 1) / (bound - 1); None for full attention itself)."""
@@ -202,7 +200,7 @@ def render(payload: dict, out: str) -> str:
     if any("score_ms" in r for r in results):
         table += "\n" + selection_speed(payload)
     if "weights_bytes" in payload:
-        table += "\n" + byte_bound_table(payload)
+        table += "\n" + byte_bound(payload)
     paths = write_outputs(out, "bench_policies", payload, table)
     plot(payload, paths["json"].replace(".json", ".png"))
     return table
@@ -272,7 +270,7 @@ def main(argv=None):
         payload.update(model=args.model, config=model_config_summary(cfg), weights_bytes=weights_read_per_step(model))
         for row in results:
             full = same_cell(results, row, "full")
-            row.update(byte_bound(payload["weights_bytes"], row["kv_bytes_read_per_step"],
+            row.update(bound_from_bytes(payload["weights_bytes"], row["kv_bytes_read_per_step"],
                                   full["kv_bytes_read_per_step"] if full else None, row["speedup_vs_full"]))
     table = render(payload, args.out)
     print(table)

@@ -37,6 +37,13 @@ def step_bytes(selector: str, n: int, budget: int, *, head_dim: int = 64, page_s
     return {"metadata": metadata, "scores": scores, "chosen": chosen, "total": metadata + scores + chosen}
 
 
+def param_bytes(params) -> int:
+    """Bytes of every array in a parameter tree."""
+    import jax
+
+    return int(sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(params)))
+
+
 def attention_heavy_config(vocab: int):
     return {
         "model_type": "llama", "vocab_size": vocab, "hidden_size": 512, "intermediate_size": 1024,

@@ -231,34 +231,31 @@ def attention(payload: dict) -> str:
     return markdown_table(headers, rows) + f"\nThe run took {payload['wall_s']:.0f} s. {load_line(load)}\n"
 
 
-def cacheclip(payload: dict) -> str:
+def cacheclip(payload: dict, times: bool = True) -> str:
     """`python -m eval.bench_cacheclip`: accuracy per request set, recompute ratio and prefill time per method
-    (the program's own table, from its JSON)."""
+    (the program's own table, from its JSON); without the prefill times with `times=False`."""
     setup, m = payload["setup"], payload["machine"]
     sets = setup.get("sets", ["straddling", "within-chunk"])  # runs from before `sets` was recorded ran these two
     rows = [[name, f"{e['recompute_ratio']:.0%}" if e["ratio"] is not None or name == "full" else "0%",
              *(f"{e[f'accuracy_{s}']:.2f}" for s in sets),
              "" if e["straddler_recall"] is None else f"{e['straddler_recall']:.2f}",
-             f"{e['prefill_ms_median']:.1f}", f"{e['speedup_vs_full']:.2f}x"] for name, e in payload["results"].items()]
-    header = ["method", "recomputed", *(f"acc {s}" for s in sets), "straddler recall", "prefill ms", "speedup vs full"]
-    return (markdown_table(header, rows) +
-            f"\n{setup['samples_per_set']} prompts per set, {setup['chunks']} chunks x {setup['chunk_len']} tokens; "
-            f"auxiliary model = the first {setup['aux_layers']} of {payload['model_config']['layers']} layers (scoring "
-            f"alone: {payload['aux_scoring_ms_median']:.1f} ms median). Prefill: median of {setup['repeats']} x "
+             *((f"{e['prefill_ms_median']:.1f}", f"{e['speedup_vs_full']:.2f}x") if times else ())]
+            for name, e in payload["results"].items()]
+    header = ["method", "recomputed", *(f"acc {s}" for s in sets), "straddler recall",
+              *(("prefill ms", "speedup vs full") if times else ())]
+    shape = (f"\n{setup['samples_per_set']} prompts per set, {setup['chunks']} chunks x {setup['chunk_len']} tokens; "
+             f"auxiliary model = the first {setup['aux_layers']} of {payload['model_config']['layers']} layers")
+    if not times:
+        return markdown_table(header, rows) + shape + ".\n"
+    return (markdown_table(header, rows) + shape +
+            f" (scoring alone: {payload['aux_scoring_ms_median']:.1f} ms median). Prefill: median of {setup['repeats']} x "
             f"{setup['timing_prompts']} warm runs, interleaved; {m.get('cpu_model', '')}, {m['cpu_count']} cores. "
             f"{load_line(payload)}\n")
 
 
 def cacheclip_accuracy(payload: dict) -> str:
     """`cacheclip`'s table without its prefill times: for runs timed with other work on the cores."""
-    sets = payload["setup"].get("sets", ["straddling", "within-chunk"])
-    rows = [[name, f"{e['recompute_ratio']:.0%}" if e["ratio"] is not None or name == "full" else "0%",
-             *(f"{e[f'accuracy_{s}']:.2f}" for s in sets),
-             "" if e["straddler_recall"] is None else f"{e['straddler_recall']:.2f}"] for name, e in payload["results"].items()]
-    return (markdown_table(["method", "recomputed", *(f"acc {s}" for s in sets), "straddler recall"], rows) +
-            f"\n{payload['setup']['samples_per_set']} prompts per set, {payload['setup']['chunks']} chunks x "
-            f"{payload['setup']['chunk_len']} tokens; auxiliary model = the first {payload['setup']['aux_layers']} of "
-            f"{payload['model_config']['layers']} layers.\n")
+    return cacheclip(payload, times=False)
 
 
 def locret_quality(payload: dict) -> str:
