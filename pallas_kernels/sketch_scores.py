@@ -122,7 +122,7 @@ def sketch_page_scores(
     `per_kv_head`); -inf past the used pages and at the current page. Backends as `quest_page_scores`: "xla"
     (the CPU default) scores a block of pages at a time (`sketch_page_scores_xla`); "pallas_tpu" and
     "pallas_gpu" gather the pages' rows in the kernel; "pallas_mosaic_gpu" TMA-copies blocks of 64 slots
-    and writes their pages' maxima (never the default: it has not run on a GPU)."""
+    and writes their pages' maxima (never the default: correct on an H200, never timed)."""
     if backend is None:
         backend = default_backend_for(
             sketch_page_scores, dict(q=q, codes=codes, page_table=page_table, lengths=lengths),

@@ -24,6 +24,22 @@ def test_counts_read_pytests_closing_line():
     assert bench_device.pytest_counts("crashed before the summary") == {}
 
 
+def test_counts_fall_back_to_the_progress_lines():
+    """pytest -qq prints no summary line (the H200 run's first record): the progress characters count instead."""
+    output = "bringing up nodes...\n........F.s [ 65%]\n..E                       [100%]\n== warnings summary ==\n"
+    assert bench_device.pytest_counts(output) == {"passed": 11, "failed": 1, "skipped": 1, "errors": 1}
+
+
+def test_kernel_tests_share_a_gpu_and_not_a_tpu():
+    import argparse
+
+    args = argparse.Namespace(out="x", members=["attention"], full=False)
+    gpu, tpu = bench_device.plan(args, "gpu")[0], bench_device.plan(args, "tpu")[0]
+    assert gpu["argv"][gpu["argv"].index("-n") + 1] == "4" and gpu["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert tpu["argv"][tpu["argv"].index("-n") + 1] == "0" and "XLA_PYTHON_CLIENT_PREALLOCATE" not in tpu["env"]
+    assert "-q" not in gpu["argv"]  # the project's addopts has -q; -qq would hide pytest's summary line
+
+
 def test_a_step_past_the_budget_is_recorded_not_run():
     record = bench_device.run_step({"name": "x", "argv": ["true"], "env": {}}, deadline=0.0)
     assert record["status"] == "not run (budget spent)"

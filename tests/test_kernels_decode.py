@@ -303,6 +303,7 @@ def test_xla_row_groups_do_not_change_results(pages, row_groups):
 def test_default_row_groups_split_only_large_calls(monkeypatch):
     from kvjax.pallas_kernels import decode_xla
 
+    monkeypatch.setattr(decode_xla.jax, "default_backend", lambda: "cpu")  # the CPU's rule, also on a GPU
     monkeypatch.setattr(decode_xla.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
     assert decode_xla.default_row_groups(32, 1 << 20) == 4  # 32 MiB of K: one loop per core, at most 4
     assert decode_xla.default_row_groups(3, 8 << 20) == 3  # at most one loop per row

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvjax import pallas_kernels as pk
+from kvjax.pallas_kernels.sketch_scores import pack_int4
 from kvjax.pallas_kernels.testing import make_paged_inputs, random_selection
 
 PLATFORM = jax.default_backend()
@@ -88,6 +89,36 @@ def test_quest_scores_native(backend):
     np.testing.assert_array_equal(np.isinf(out), np.isinf(expected))
     finite = np.isfinite(expected)
     np.testing.assert_allclose(np.asarray(out)[finite], np.asarray(expected)[finite], rtol=2e-3, atol=2e-3)
+
+
+def sketch_case(backend, codes_kind, interpret=False):
+    """(kernel scores, reference scores) of `sketch_page_scores` (loki's float rows, key_int4's packed 4-bit
+    codes) on 8 query heads over 2 kv heads, 64-wide sketches, 8 pages of 16 slots."""
+    rng = np.random.default_rng([5, len(backend), len(codes_kind)])
+    inputs = make_paged_inputs(rng, batch=2, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, max_pages=8,
+                               poison=0.0)
+    if codes_kind == "int4":
+        codes = pack_int4(jnp.asarray(rng.integers(-8, 8, size=inputs.k_pages.shape[:2] + (64,))))
+    else:  # the Mosaic GPU scorer takes bfloat16 bit patterns; the Triton one float32 rows as well
+        codes = jnp.asarray(inputs.k_pages)
+        codes = pk.bfloat16_bits(codes) if backend == "pallas_mosaic_gpu" else codes
+    args = (jnp.asarray(inputs.q), codes, jnp.asarray(inputs.page_table), jnp.asarray(inputs.lengths))
+    options = dict(page_size=16, codes_kind=codes_kind)
+    out = jax.jit(lambda *a: pk.sketch_page_scores(*a, **options, backend=backend, interpret=interpret))(*args)
+    return np.asarray(out), np.asarray(pk.sketch_page_scores_reference(*args, **options))
+
+
+@pytest.mark.parametrize("backend", native_backends())
+@pytest.mark.parametrize("codes_kind", ["float", "int4"])
+def test_sketch_scores_native(backend, codes_kind):
+    """loki's and key_int4's page scorer compiled natively: the same -inf pages, finite scores within TF32's
+    rounding of the float32 reference (norm-wise)."""
+    out, expected = sketch_case(backend, codes_kind)
+    np.testing.assert_array_equal(np.isneginf(out), np.isneginf(expected))
+    finite = np.isfinite(expected)
+    assert np.isfinite(out[finite]).all()
+    error = np.linalg.norm(out[finite] - expected[finite]) / np.linalg.norm(expected[finite])
+    assert error < 2e-3, f"relative error {error:.2e}"
 
 
 def test_default_kernels_decode_a_model_on_the_device():
