@@ -15,7 +15,7 @@ from ._quant import page_values
 from .quest_scores_xla import finish_scores, scoreable_pages
 
 __all__ = ["CODE_KINDS", "pack_int4", "sketch_page_scores", "sketch_page_scores_reference", "sketch_page_scores_xla",
-           "unpack_int4"]
+           "unpack_int4", "unpack_int4_x16"]
 
 CODE_KINDS = ("float", "int4")
 
@@ -114,7 +114,7 @@ def sketch_page_scores_xla(q, codes, page_table, lengths, *, page_size: int, cod
         block = codes.at[block_pages].get(mode="promise_in_bounds")  # [R, nb, ps, W]
         block = block.reshape(rows, pages_per_block * page_size, -1)
         if int8_rows:  # slots as the product's rows: XLA:CPU fuses the int8 -> f32 convert, dot and page max
-            scores = jnp.einsum("rsc,rgc->rsg", unpack_int4_x16(block), q_rows)
+            scores = jnp.einsum("rsc,rgc->rsg", unpack_int4_x16(block), q_rows, precision="highest")
             return carry, jnp.swapaxes(scores.reshape(rows, pages_per_block, page_size, group).max(axis=2), 1, 2)
         scores = slot_scores(q_rows, block, codes_kind)
         return carry, scores.reshape(rows, group, pages_per_block, page_size).max(axis=-1)
