@@ -78,9 +78,9 @@ def sketch_page_scores_reference(q, codes, page_table, lengths, *, page_size: in
 
 def unpack_int4_x16(packed: jax.Array) -> jax.Array:
     """int8[..., 2R] of `int8[..., R]` packed by `pack_int4`: 16 x (low | high) codes, each nibble moved to
-    its byte's top (`byte << 4`, `byte & 0xF0`), four bytes a 32-bit word where R % 4 == 0 (no byte shifts)."""
+    its byte's top (`byte << 4`, `byte & 0xF0`), four bytes a 32-bit word (no byte shifts); R % 4 == 0."""
     if packed.shape[-1] % 4:
-        return jnp.concatenate([packed << 4, packed & jnp.int8(-16)], -1)
+        raise ValueError(f"packed codes' last axis must be a multiple of 4 bytes, got {packed.shape}")
     words = lax.bitcast_convert_type(packed.reshape(*packed.shape[:-1], -1, 4), jnp.int32)
     high_nibbles = jnp.int32(-0x0F0F0F10)  # 0xF0F0F0F0: a nibble shifted out of its byte is dropped
     both = jnp.concatenate([(words << 4) & high_nibbles, words & high_nibbles], -1)
@@ -92,14 +92,16 @@ def sketch_page_scores_xla(q, codes, page_table, lengths, *, page_size: int, cod
     """The CPU path, f32[B, KVH, G, P]: the pages scored a block at a time in a scan, each block's code rows
     decoded (in cache) and reduced to page maxima at once; the reference decodes every slot of the context to
     float32 first (64 MiB a layer for int4 codes at 8K tokens and 16 heads of 128). Grouped int4 scores
-    (G > 1) feed 16 x codes as int8 to one product with q / 16 (~1 MiB blocks); float32 rows otherwise
+    (G > 1, R % 4 == 0) feed 16 x codes as int8 to one product with q / 16 (~1 MiB blocks); float32 rows otherwise
     (~2 MiB blocks). Form and sizes as measured: docs/modules.md."""
     B, Hq, width = q.shape
     KVH, P = page_table.shape[1:]
     rows, group = B * KVH, Hq // KVH
-    int8_rows = codes_kind == "int4" and group > 1
+    int8_rows = codes_kind == "int4" and group > 1 and codes.shape[-1] % 4 == 0
     if pages_per_block is None:  # ~1 MiB of int8 rows or ~2 MiB of float32 rows per step
-        per_page, budget = (rows * page_size * width, 1 << 20) if int8_rows else (rows * page_size * width * 4, 2 << 20)
+        per_page, budget = rows * page_size * width, 1 << 20
+        if not int8_rows:
+            per_page, budget = per_page * 4, 2 << 20
         pages_per_block = max(1, min(1024, budget // per_page))
     pages_per_block = _pages.cdiv(P, _pages.cdiv(P, min(pages_per_block, P)))  # even blocks, least padding
     num_blocks = _pages.cdiv(P, pages_per_block)

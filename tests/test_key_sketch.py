@@ -11,7 +11,7 @@ import pytest
 
 import kvjax
 from kvjax import pallas_kernels as pk
-from kvjax.pallas_kernels.sketch_scores import pack_int4, sketch_page_scores, unpack_int4
+from kvjax.pallas_kernels.sketch_scores import pack_int4, sketch_page_scores, unpack_int4, unpack_int4_x16
 from kvjax.engine.decode import page_view
 from kvjax.pallas_kernels.testing import make_paged_inputs
 from kvjax.policies.base import PageView
@@ -63,6 +63,9 @@ def test_int4_packing_round_trips():
     np.testing.assert_array_equal(int4_values(np.asarray(packed)), values)
     low, high = unpack_int4(packed)
     np.testing.assert_array_equal(np.concatenate([low, high], -1), values)
+    np.testing.assert_array_equal(unpack_int4_x16(packed), 16 * values)  # the XLA path's int8 rows
+    with pytest.raises(ValueError, match="multiple of 4"):
+        unpack_int4_x16(packed[:, :6])
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
