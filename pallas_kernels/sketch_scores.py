@@ -15,7 +15,7 @@ from ._quant import page_values
 from .quest_scores_xla import finish_scores, scoreable_pages
 
 __all__ = ["CODE_KINDS", "pack_int4", "sketch_page_scores", "sketch_page_scores_reference", "sketch_page_scores_xla",
-           "unpack_int4"]
+           "unpack_int4", "unpack_int4_x16"]
 
 CODE_KINDS = ("float", "int4")
 
@@ -76,28 +76,49 @@ def sketch_page_scores_reference(q, codes, page_table, lengths, *, page_size: in
     return finish_scores(jnp.where(valid, scores, -jnp.inf), per_kv_head)
 
 
+def unpack_int4_x16(packed: jax.Array) -> jax.Array:
+    """int8[..., 2R] of `int8[..., R]` packed by `pack_int4`: 16 x (low | high) codes, each nibble moved to
+    its byte's top (`byte << 4`, `byte & 0xF0`), four bytes a 32-bit word (no byte shifts); R % 4 == 0."""
+    if packed.shape[-1] % 4:
+        raise ValueError(f"packed codes' last axis must be a multiple of 4 bytes, got {packed.shape}")
+    words = lax.bitcast_convert_type(packed.reshape(*packed.shape[:-1], -1, 4), jnp.int32)
+    high_nibbles = jnp.int32(-0x0F0F0F10)  # 0xF0F0F0F0: a nibble shifted out of its byte is dropped
+    both = jnp.concatenate([(words << 4) & high_nibbles, words & high_nibbles], -1)
+    return lax.bitcast_convert_type(both, jnp.int8).reshape(*packed.shape[:-1], -1)
+
+
 def sketch_page_scores_xla(q, codes, page_table, lengths, *, page_size: int, codes_kind: str = "float",
                            pages_per_block: int | None = None):
-    """The CPU path, f32[B, KVH, G, P]: the reference's arithmetic a block of pages at a time in a scan, so
-    each step decodes only one block's code rows (in cache) and reduces them to page maxima at once; the
-    reference decodes every slot of the context to float32 first (64 MiB a layer for int4 codes at 8K
-    tokens and 16 heads of 128, as much as the float32 keys themselves)."""
+    """The CPU path, f32[B, KVH, G, P]: the pages scored a block at a time in a scan, each block's code rows
+    decoded (in cache) and reduced to page maxima at once; the reference decodes every slot of the context to
+    float32 first (64 MiB a layer for int4 codes at 8K tokens and 16 heads of 128). Grouped int4 scores
+    (G > 1, R % 4 == 0) feed 16 x codes as int8 to one product with q / 16 (~1 MiB blocks); float32 rows otherwise
+    (~2 MiB blocks). Form and sizes as measured: docs/modules.md."""
     B, Hq, width = q.shape
     KVH, P = page_table.shape[1:]
     rows, group = B * KVH, Hq // KVH
-    if pages_per_block is None:  # ~2 MiB of decoded float32 rows per step
-        per_page = rows * page_size * width * 4
-        pages_per_block = max(1, min(1024, (2 << 20) // per_page))
-    pages_per_block = min(pages_per_block, P)
+    int8_rows = codes_kind == "int4" and group > 1 and codes.shape[-1] % 4 == 0
+    if pages_per_block is None:  # ~1 MiB of int8 rows or ~2 MiB of float32 rows per step
+        per_page, budget = rows * page_size * width, 1 << 20
+        if not int8_rows:
+            per_page, budget = per_page * 4, 2 << 20
+        pages_per_block = max(1, min(1024, budget // per_page))
+    pages_per_block = _pages.cdiv(P, _pages.cdiv(P, min(pages_per_block, P)))  # even blocks, least padding
     num_blocks = _pages.cdiv(P, pages_per_block)
     pages = jnp.clip(page_table, 0, codes.shape[0] - 1).reshape(rows, P)
     pages = _pages.pad_axis(pages, num_blocks * pages_per_block, axis=1, value=0)
     page_blocks = jnp.swapaxes(pages.reshape(rows, num_blocks, pages_per_block), 0, 1)  # [nblk, R, nb]
     q_rows = q.astype(jnp.float32).reshape(rows, group, width)
+    if int8_rows:
+        q_rows = q_rows * (1 / 16)  # exact: a power of two, against 16 x codes
 
     def score_block(carry, block_pages):
         block = codes.at[block_pages].get(mode="promise_in_bounds")  # [R, nb, ps, W]
-        scores = slot_scores(q_rows, block.reshape(rows, pages_per_block * page_size, -1), codes_kind)
+        block = block.reshape(rows, pages_per_block * page_size, -1)
+        if int8_rows:  # slots as the product's rows: XLA:CPU fuses the int8 -> f32 convert, dot and page max
+            scores = jnp.einsum("rsc,rgc->rsg", unpack_int4_x16(block), q_rows, precision="highest")
+            return carry, jnp.swapaxes(scores.reshape(rows, pages_per_block, page_size, group).max(axis=2), 1, 2)
+        scores = slot_scores(q_rows, block, codes_kind)
         return carry, scores.reshape(rows, group, pages_per_block, page_size).max(axis=-1)
 
     _, scores = lax.scan(score_block, None, page_blocks)  # [nblk, R, G, nb]

@@ -11,7 +11,7 @@ import pytest
 
 import kvjax
 from kvjax import pallas_kernels as pk
-from kvjax.pallas_kernels.sketch_scores import pack_int4, sketch_page_scores, unpack_int4
+from kvjax.pallas_kernels.sketch_scores import pack_int4, sketch_page_scores, unpack_int4, unpack_int4_x16
 from kvjax.engine.decode import page_view
 from kvjax.pallas_kernels.testing import make_paged_inputs
 from kvjax.policies.base import PageView
@@ -63,6 +63,9 @@ def test_int4_packing_round_trips():
     np.testing.assert_array_equal(int4_values(np.asarray(packed)), values)
     low, high = unpack_int4(packed)
     np.testing.assert_array_equal(np.concatenate([low, high], -1), values)
+    np.testing.assert_array_equal(unpack_int4_x16(packed), 16 * values)  # the XLA path's int8 rows
+    with pytest.raises(ValueError, match="multiple of 4"):
+        unpack_int4_x16(packed[:, :6])
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
@@ -97,23 +100,33 @@ def test_xla_scores_in_blocks_equal_the_reference(codes_kind, per_kv_head):
     for pages_per_block in (2, None):
         blocked = finish_scores(sketch_page_scores_xla(*args, **options, pages_per_block=pages_per_block), per_kv_head)
         np.testing.assert_allclose(np.asarray(blocked), np.asarray(expected), rtol=1e-6, atol=1e-5)
+    if codes_kind == "int4":  # one query head a kv head: float32 rows, not the grouped int8 product
+        mha = (args[0][:, ::2],) + args[1:]
+        np.testing.assert_allclose(
+            np.asarray(finish_scores(sketch_page_scores_xla(*mha, **options, pages_per_block=2), per_kv_head)),
+            np.asarray(pk.sketch_page_scores_reference(*mha, **options, per_kv_head=per_kv_head)), rtol=1e-6, atol=1e-5)
     np.testing.assert_allclose(np.asarray(sketch_page_scores(*args, **options, per_kv_head=per_kv_head, backend="xla")),
                                np.asarray(expected), rtol=1e-6, atol=1e-5)
 
 
-def test_xla_scores_do_not_decode_the_whole_context():
-    """4-bit codes of 4 heads x 4096 slots decode to 8 MiB of float32 rows: the reference holds them all at once,
-    the XLA path (the CPU default) about one 2 MiB block (XLA's own buffer accounting of the compiled step)."""
+@pytest.mark.parametrize("group", [1, 2])
+def test_xla_scores_do_not_decode_the_whole_context(group):
+    """4-bit codes of 4 kv heads x 16384 slots decode to 32 MiB of float32 rows (8 MiB as the int8 rows that
+    grouped queries' products read): the reference holds them all at once, the XLA path (the CPU default) about
+    one block, 2 MiB of float32 rows (one query head a kv head) or 1 MiB of int8 rows (XLA's own buffer
+    accounting of the compiled step)."""
     s = jax.ShapeDtypeStruct
-    args = (s((1, 4, 128), jnp.float32), s((4 * 256, 16, 64), jnp.int8), s((1, 4, 256), jnp.int32), s((1, 4), jnp.int32))
-    decoded = 4 * 4096 * 128 * 4
+    args = (s((1, 4 * group, 128), jnp.float32), s((4 * 1024, 16, 64), jnp.int8), s((1, 4, 1024), jnp.int32),
+            s((1, 4), jnp.int32))
+    int8_rows = 4 * 16384 * 128
 
     def temp_bytes(backend):
         fn = lambda *a: sketch_page_scores(*a, page_size=16, codes_kind="int4", backend=backend)  # noqa: E731
         return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
-    assert temp_bytes("reference") >= decoded  # the check can tell the two apart
-    assert temp_bytes(None) < decoded // 3
+    if group == 1:
+        assert temp_bytes("reference") >= 4 * int8_rows  # the check can tell the two apart
+    assert temp_bytes(None) < int8_rows // 3
 
 
 @pytest.mark.parametrize("codes_kind, page_size, width", [("float", 16, 16), ("int4", 16, 32), ("float", 32, 64)])
