@@ -303,21 +303,25 @@ def compress_segments(policy: Policy, state: KVState, num_layers: int, windows: 
     )
 
 
-def pooled_threshold(state: KVState, policy: Policy, num_layers: int, windows: tuple, next_position) -> jax.Array:
-    """f32[B]: the `compressor.pooled_budget * H * L'`-th best slot score over the L' compressed layers' valid
-    slots (-inf where they hold fewer): what a slot needs to be kept when the budget is pooled."""
+def pooled_threshold(state: KVState, policy: Policy, num_layers: int, windows: tuple, keep_bound: int) -> jax.Array:
+    """f32[B]: the `compressor.pooled_budget * H * L'`-th best score among the candidates of the L' compressed
+    layers' kv heads (-inf where they hold fewer): what a slot needs to be kept when the budget is pooled. A
+    head's candidates are its `keep_bound` best valid slots, as many as it may keep, so a head the bound
+    clips leaves its surplus to the others' next-best slots and the pool is filled exactly (ties at the
+    threshold all kept)."""
     flat = []
     for start, stop in compress_segments(policy, state, num_layers, windows):
         local = state.for_layers(start, stop)
 
         def scores(layer, local=local):
             slots = slot_fields(local, layer)
-            return jnp.where(slots["valid"], slots["slot_score"], -jnp.inf)  # [B, H, S]
+            valid = jnp.where(slots["valid"], slots["slot_score"], -jnp.inf)  # [B, H, S]
+            return jax.lax.top_k(valid, min(keep_bound, valid.shape[-1]))[0]  # [B, H, K]
 
-        part = jax.lax.map(scores, jnp.arange(start, stop, dtype=jnp.int32))  # [l, B, H, S]
+        part = jax.lax.map(scores, jnp.arange(start, stop, dtype=jnp.int32))  # [l, B, H, K]
         flat.append(jnp.moveaxis(part, 1, 0).reshape(part.shape[1], -1))
         count = policy.compressor.pooled_budget * part.shape[2]  # per layer
-    flat = jnp.concatenate(flat, axis=-1)  # [B, L' * H * S]
+    flat = jnp.concatenate(flat, axis=-1)  # [B, L' * H * K]
     count = min(count * sum(b - a for a, b in compress_segments(policy, state, num_layers, windows)), flat.shape[-1])
     return jax.lax.top_k(flat, count)[0][:, -1]
 
@@ -344,7 +348,7 @@ def compress_step(
     if compressor.pooled_budget is not None:
         if placement.sharded:
             raise NotImplementedError(f"policy {policy.name!r}: a budget pooled over layers runs on one device")
-        threshold = pooled_threshold(state, policy, num_layers, windows, next_position)
+        threshold = pooled_threshold(state, policy, num_layers, windows, keep_bound)
     for start, stop in compress_segments(policy, state, num_layers, windows):
 
         def body(state, layer, start=start, stop=stop):
