@@ -57,8 +57,10 @@ def run_point(policy_name: str, context: int, budget: int, chunk: int, new_token
         cfg = model.cfg
     if policy_name == "locret":
         heads = heads_name if heads_name is not None else init_heads(HeadsConfig.for_model(cfg), seed=0)
+        # per kv head, as the committed points ran (the SmolLM2 heads default to pool="all", which sizes each
+        # head's pages for head_cap times its share)
         policy = kvjax.make_policy("locret", token_budget=budget, stabilizers=budget // 4, local_tail=local_tail,
-                                   heads=heads)
+                                   heads=heads, pool="head")
     else:
         policy = kvjax.make_policy("full")
     tokens = np.random.default_rng(0).integers(4, cfg.vocab_size, (1, context)).astype(np.int32)

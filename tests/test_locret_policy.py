@@ -252,3 +252,9 @@ def test_shipped_smollm2_heads_load_by_name_and_fit_the_size_limit():
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (30, 9, 3, 64)
     assert config.hidden_size == 128
     assert all(w.dtype == "bfloat16" for w in jax.tree_util.tree_leaves(policy.heads.params))
+    # these heads bring the options they were made for (pool="all", 4 sinks); what the caller sets wins
+    assert (policy.pool, policy.sink_size) == ("all", 4)
+    by_path = kvjax.make_policy("locret", heads=path, pool="head", token_budget=256)
+    assert (by_path.pool, by_path.sink_size) == ("head", 4) and by_path.heads is policy.heads
+    tiny = kvjax.make_policy("locret", heads="tiny")
+    assert (tiny.pool, tiny.sink_size) == ("head", 0)

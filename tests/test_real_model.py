@@ -117,7 +117,8 @@ def test_shipped_locret_heads_evict_during_chunked_prefill(model):
     passage = licence_text(3000)
     ids = chat_ids(model, passage + "\n\nIn one sentence, what is this text about?")
     assert len(ids) > 600
-    policy = kvjax.make_policy("locret", heads=NAME, token_budget=192, stabilizers=32, local_tail=32)
+    policy = kvjax.make_policy("locret", heads=NAME, token_budget=192, stabilizers=32, local_tail=32, pool="head",
+                               sink_size=0)  # per kv head, without sinks: not the heads' defaults
     policy.heads.config.check_model(model.cfg)
     state, logits = kvjax.prefill(model, [ids], policy=policy, chunk_size=256, max_new_tokens=8)
     kept = kept_positions(state)
@@ -131,18 +132,20 @@ def test_shipped_locret_heads_evict_during_chunked_prefill(model):
         logits, state = kvjax.decode_step(model, state, [ours[-1]], policy=policy)
         ours.append(int(np.argmax(np.asarray(logits)[0])))
     # no EOS stop: the loop above runs 8 steps whatever it samples (the heads trained on KVzip's score answer
-    # EOS first at this budget of 192 and the per-head default spread; docs/locret.md)
+    # EOS first at this budget of 192 and the per-head spread; docs/locret.md)
     out = kvjax.generate(model, [ids], 8, policy, chunk_size=256, eos_token_id=-1)[0]
     assert [int(t) for t in out] == ours
 
 
 def test_shipped_locret_heads_keep_the_passkey(model):
-    """The shipped heads in their recipe (trained on KVzip's score; the budget pooled over layers and heads,
-    `pool="all"`) keep a real-text passkey through chunked prefill at a quarter of the context, the question fed
-    by decode after compression as the evaluation does; docs/locret.md has the sweep."""
+    """The shipped heads with the options they default to (trained on KVzip's score: the budget pooled over
+    layers and heads, `pool="all"`, and 4 sinks kept) keep a real-text passkey through chunked prefill at a
+    quarter of the context, the question fed by decode after compression as the evaluation does; docs/locret.md
+    has the sweep."""
     from kvjax.tasks.needles import passkey_samples, score_prediction
 
-    policy = kvjax.make_policy("locret", heads=NAME, pool="all", token_budget=256)
+    policy = kvjax.make_policy("locret", heads=NAME, token_budget=256)
+    assert (policy.pool, policy.sink_size) == ("all", 4)
     for sample in passkey_samples(model.tokenizer, 1024, 2, 0):
         out = kvjax.generate(model, [sample.prompt_ids], sample.max_new_tokens, policy, chunk_size=256,
                              decode_last=len(sample.question_ids))[0]

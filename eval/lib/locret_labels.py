@@ -34,6 +34,7 @@ class LabelScoredLocret(Locret):
     def __post_init__(self):
         if self.labels is None:
             raise ValueError("LabelScoredLocret needs labels= (f32[L, B, Tp, H], from kvjax.locret.labels)")
+        self.set_defaults({})
 
     @property
     def chunks(self) -> ChunkSchedule:

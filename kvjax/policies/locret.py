@@ -15,6 +15,7 @@ from kvjax.policies.base import ChunkSchedule, Compressor, Policy, PromptView, r
 from kvjax.policies.eviction import NEG, keep_top, recent
 
 POOLS = ("all", "head")
+DEFAULTS = {"pool": "head", "sink_size": 0}  # where neither the caller nor the heads (`RetainingHeads.options`) set them
 
 def _as_heads(heads):
     from kvjax.policies.locret_heads import RetainingHeads, load_heads
@@ -38,9 +39,13 @@ class Locret(Policy, Compressor):
     token_budget: int = 128  # slots a head keeps after prefill, local_tail included
     stabilizers: int = 32  # n_s: the newest slots kept at each non-final chunk
     local_tail: int = 16  # n_loc: last prompt tokens appended without eviction
-    pool: str = "head"  # "head": per kv head; "all": pooled over all compressed layers and kv heads (one device)
+    # "head": per kv head; "all": pooled over all compressed layers and kv heads (one device). None: the heads'
+    # option (`SHIPPED_OPTIONS`: "all" for the SmolLM2 heads), else "head"
+    pool: str | None = None
     head_cap: int = 4  # pool="all": a head keeps at most head_cap * (token_budget - local_tail) slots (its memory)
-    sink_size: int = 0  # first prompt tokens scored +inf, so kept within the budget (StreamingLLM's sinks)
+    # first prompt tokens scored +inf, so kept within the budget (StreamingLLM's sinks). None: the heads' option
+    # (4 for the SmolLM2 heads), else 0
+    sink_size: int | None = None
     heads: Any = dataclasses.field(default=None, compare=False)  # data: never part of the identity
 
     def __post_init__(self):
@@ -52,6 +57,13 @@ class Locret(Policy, Compressor):
         heads = _as_heads(self.heads)
         heads.stacked  # stacked once, here on the host, never inside a traced step
         object.__setattr__(self, "heads", heads)
+        self.set_defaults(heads.options)
+
+    def set_defaults(self, options: dict) -> None:
+        """Each option of `DEFAULTS` left None takes its value from `options` (the heads'), else `DEFAULTS`."""
+        for name, fallback in DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, options.get(name, fallback))
 
     @property
     def evict_budget(self) -> int:

@@ -21,6 +21,9 @@ PARAMS_DIR = "params"
 DEFAULT_HIDDEN = 1024
 SHIPPED_DIR = "locret-heads"  # kvjax/assets/locret-heads/{model name}.safetensors, bfloat16
 SHIPPED_SUFFIX = ".safetensors"
+# Locret options the heads shipped for a model bring, where the policy is not given them (docs/locret.md, "Defaults
+# of the shipped heads"): the SmolLM2 heads learned KVzip's pooled score, and keep the attention sink
+SHIPPED_OPTIONS = {"smollm2-135m": {"pool": "all", "sink_size": 4}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,7 @@ class RetainingHeads:
 
     config: HeadsConfig
     params: Any  # {"layer_{l}": {"w1": [F, hidden], "w2": [hidden, H]}}
+    options: dict = dataclasses.field(default_factory=dict)  # Locret options these heads default to (SHIPPED_OPTIONS)
 
     def layer(self, index: int) -> dict:
         return self.params[f"layer_{index}"]
@@ -187,9 +191,11 @@ def import_safetensors(file: str | os.PathLike) -> RetainingHeads:
 
 @functools.lru_cache(maxsize=8)
 def _load_cached(path: str, mtime: float) -> RetainingHeads:
-    if path.endswith(".safetensors"):
-        return import_safetensors(path)
-    return restore_heads(path)
+    if not path.endswith(".safetensors"):
+        return restore_heads(path)
+    heads = import_safetensors(path)
+    shipped = [name for name in SHIPPED_OPTIONS if path == shipped_heads_path(name)]
+    return dataclasses.replace(heads, options=dict(SHIPPED_OPTIONS[shipped[0]])) if shipped else heads
 
 
 def shipped_heads_path(name: str) -> str:
@@ -231,8 +237,9 @@ def _resolve(path_or_name: str) -> str:
 
 def load_heads(path: str | os.PathLike) -> RetainingHeads:
     """Heads from an orbax directory (`save_heads`), a `.safetensors` export, or the name of a model whose
-    heads ship with kvjax (`"tiny"`, `"smollm2-135m"`: `shipped_heads()`). Cached by path and modification
-    time, so policies built from the same path share one object (and one compile)."""
+    heads ship with kvjax (`"tiny"`, `"smollm2-135m"`: `shipped_heads()`; shipped heads carry the Locret options
+    they default to, `SHIPPED_OPTIONS`). Cached by path and modification time, so policies built from the same
+    path share one object (and one compile)."""
     path = _resolve(os.fspath(path))
     meta = path if path.endswith(SHIPPED_SUFFIX) else os.path.join(path, META_FILE)
     return _load_cached(path, os.path.getmtime(meta) if os.path.exists(meta) else 0.0)
