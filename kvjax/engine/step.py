@@ -347,7 +347,8 @@ def compress_step(
     threshold = None
     if compressor.pooled_budget is not None:
         if placement.sharded:
-            raise NotImplementedError(f"policy {policy.name!r}: a budget pooled over layers runs on one device")
+            raise NotImplementedError(f"policy {policy.name!r}: a budget pooled over layers runs on one device "
+                                      "(Locret: pool='head' budgets each kv head, on a mesh too)")
         threshold = pooled_threshold(state, policy, num_layers, windows, keep_bound)
     for start, stop in compress_segments(policy, state, num_layers, windows):
 
