@@ -9,10 +9,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # whole test process (its writes crashed the process twice here, in jax's put_executable_and_time): keep
 # it off in-process; tests that check the cache run the command in a subprocess with their own folder.
 os.environ["KVJAX_COMPILATION_CACHE"] = "off"
-# Compiling dominates these tiny runs: XLA:CPU's backend optimisations off for the test processes and the
-# commands they start (the sharding and multi-process workers did so already). It cuts the suite's CPU time
-# by about a quarter (tests/test_policies.py alone: 121 s -> 87 s of CPU); the numbers checked are the same
-# programs' numbers, and every comparison runs both of its sides under the same flags. Benchmarks, the demo
+# Compiling dominates these tiny runs: XLA:CPU's backend optimisations and its MLIR fusion emitters off for the
+# test processes and the commands they start (`FAST_COMPILE`, the sharding and multi-process workers' too).
+# The optimisations cut the suite's CPU by about a quarter, the emitters 45% of what was left (30.7 -> 17.0
+# CPU-minutes, docs/testing.md); every comparison runs both of its sides under the same flags. Benchmarks, the demo
 # and users' runs keep XLA's defaults. KVJAX_TEST_XLA_DEFAULTS=1 runs the suite with them.
 if not os.environ.get("KVJAX_TEST_XLA_DEFAULTS"):
     from _simulated_devices import FAST_COMPILE
