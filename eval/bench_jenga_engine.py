@@ -20,6 +20,7 @@ checks that both modes count the same rows on one trace. Writes bench_jenga_engi
 from __future__ import annotations
 
 import argparse
+import time
 from collections import deque
 
 import numpy as np
@@ -90,6 +91,7 @@ def serve(model, prompts, new_tokens: int, pool_pages: int, max_rows: int, unifo
                          uniform_pages=uniform)
     ids = [engine.submit(p, new_tokens, eos_token_id=-1) for p in prompts]
     tally, pool, done = _Tally(), None, 0
+    started = time.perf_counter()
     while engine.has_work:
         before = engine.dispatches
         engine.step()
@@ -102,8 +104,10 @@ def serve(model, prompts, new_tokens: int, pool_pages: int, max_rows: int, unifo
             now = sum(engine.requests[i].finished for i in ids)
             tally.dispatched(len(after) + now - done, pool, after)
             done = now
+    wall = time.perf_counter() - started
     return {**tally.result(pool, engine.dispatches, engine.shared_rows, engine.leaked_pages),
-            "tokens": [engine.requests[i].tokens for i in ids]}
+            "tokens": [engine.requests[i].tokens for i in ids], "wall_s": wall,
+            "tokens_per_s": len(prompts) * new_tokens / wall}
 
 
 def serve_counted(cfg, prompts, new_tokens: int, pool_pages: int, max_rows: int, uniform: bool, chunk: int = CHUNK,
@@ -233,6 +237,21 @@ def render(payload: dict) -> str:
         f"windows) had room for at most pool pages // `row_pages` rows: {before} tokens.\n")
 
 
+def render_speed(payload: dict) -> str:
+    """A `--timed` served run: each pool's tokens/s on the same requests (prefill and decode, programs compiled
+    by a first serve), beside the rows it held."""
+    speed = {(r["context"], r["traffic"], r["pool"]): r["tokens_per_s"] for r in payload["runs"]}
+    table = markdown_table(["context", "traffic", "pool", "most live rows", "seconds", "new tokens/s", "x uniform"], [
+        [r["context"], r["traffic"], r["pool"], r["max_live_rows"], f"{r['wall_s']:.1f}", f"{r['tokens_per_s']:.1f}",
+         f"{r['tokens_per_s'] / speed[(r['context'], r['traffic'], 'uniform')]:.2f}x"] for r in payload["runs"]])
+    args = payload["args"]
+    return table + (
+        f"\n{payload['model_name']}: {args['requests']} requests at once, {args['new_tokens']} new tokens each "
+        f"(greedy, equal under both pools), at most {args['max_rows']} rows, a pool with room for "
+        f"{args['uniform_rows']} uniform rows; seconds from submitting to the last token, each pool's second serve. "
+        f"{payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores.\n")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=TINY, help=f"{TINY} (random weights) or a fetched GGUF model (gemma3-270m)")
@@ -243,6 +262,8 @@ def main(argv=None) -> dict:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--uniform-rows", type=int, default=3, help="the pool holds this many uniform rows")
     p.add_argument("--max-rows", type=int, default=None, help="default 32 served, all requests counted")
+    p.add_argument("--timed", action="store_true",
+                   help="served: serve each pool twice and time the second (programs compiled), for tokens/s")
     p.add_argument("--out", default=default_out("jenga_engine"))
     args = p.parse_args(argv)
     tiny = args.model == TINY
@@ -274,6 +295,8 @@ def main(argv=None) -> dict:
                 if model is None:
                     runs[pool] = serve_counted(cfg, prompts, args.new_tokens, pool_pages, args.max_rows, pool == "uniform")
                 else:
+                    if args.timed:  # a first serve compiles this pool's programs; the second is timed
+                        serve(model, prompts, args.new_tokens, pool_pages, args.max_rows, pool == "uniform")
                     runs[pool] = serve(model, prompts, args.new_tokens, pool_pages, args.max_rows, pool == "uniform")
             if model is not None:
                 if runs["jenga"]["tokens"] != runs["uniform"]["tokens"]:
@@ -287,10 +310,10 @@ def main(argv=None) -> dict:
              "windows": list(cfg.windows or ())}
     payload = {"model_name": args.model, "model": MODEL if tiny else shape, "mode": args.mode, "page_size": PAGE,
                "chunk_size": CHUNK, "args": vars(args), "runs": rows, "before_issue_51": before, "machine": machine_info(),
-               "machine_shared": True, "load_start": load_start, "load_end": cpu_load()}
-    table = render(payload)
+               **({} if args.timed else {"machine_shared": True}), "load_start": load_start, "load_end": cpu_load()}
+    table = render_speed(payload) if args.timed else render(payload)
     name = ("bench_jenga_engine" + ("" if tiny else "_" + args.model.replace("-", "_"))
-            + ("" if args.mode == usual else "_" + args.mode))
+            + ("" if args.mode == usual else "_" + args.mode) + ("_timed" if args.timed else ""))
     paths = write_outputs(args.out, name, payload, table)
     plot(payload, f"{args.out}/{name}.png")
     print(table)
