@@ -82,12 +82,13 @@ class _Tally:
 
 
 def serve(model, prompts, new_tokens: int, pool_pages: int, max_rows: int, uniform: bool, chunk: int = CHUNK,
-          steps: int = 8, page_size: int = PAGE) -> dict:
-    """Serve `prompts` at once on `BatchEngine` (greedy, no EOS); the tally and each request's tokens."""
+          steps: int = 8, page_size: int = PAGE, prefix_cache_bytes: int = 0) -> dict:
+    """Serve `prompts` at once on `BatchEngine` (greedy, no EOS); the tally and each request's tokens. The
+    engine's prefix-state cache (which skips a cached prefix's prefill) is off unless `prefix_cache_bytes`."""
     from kvjax.serving.batch_engine import BatchEngine
 
     engine = BatchEngine(model, max_rows=max_rows, capacity=len(prompts[0]) + new_tokens, page_size=page_size,
-                         chunk_size=chunk, steps_per_dispatch=steps, pool_pages=pool_pages, prefix_cache_bytes=0,
+                         chunk_size=chunk, steps_per_dispatch=steps, pool_pages=pool_pages, prefix_cache_bytes=prefix_cache_bytes,
                          uniform_pages=uniform)
     ids = [engine.submit(p, new_tokens, eos_token_id=-1) for p in prompts]
     tally, pool, done = _Tally(), None, 0
@@ -248,7 +249,9 @@ def render_speed(payload: dict) -> str:
     return table + (
         f"\n{payload['model_name']}: {args['requests']} requests at once, {args['new_tokens']} new tokens each "
         f"(greedy, equal under both pools), at most {args['max_rows']} rows, a pool with room for "
-        f"{args['uniform_rows']} uniform rows; seconds from submitting to the last token, each pool's second serve. "
+        f"{args['uniform_rows']} uniform rows; prefix-state cache "
+        f"{str(args.get('prefix_cache_mib', 0)) + ' MiB' if args.get('prefix_cache_mib') else 'off'}; seconds from "
+        "submitting to the last token, each pool's second serve. "
         f"{payload['machine'].get('cpu_model', '')}, {payload['machine']['cpu_count']} cores.\n")
 
 
@@ -264,6 +267,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-rows", type=int, default=None, help="default 32 served, all requests counted")
     p.add_argument("--timed", action="store_true",
                    help="served: serve each pool twice and time the second (programs compiled), for tokens/s")
+    p.add_argument("--prefix-cache-mib", type=int, default=0,
+                   help="served: the engine's prefix-state cache (skips a cached prefix's prefill); 0, off")
     p.add_argument("--out", default=default_out("jenga_engine"))
     args = p.parse_args(argv)
     tiny = args.model == TINY
@@ -295,9 +300,12 @@ def main(argv=None) -> dict:
                 if model is None:
                     runs[pool] = serve_counted(cfg, prompts, args.new_tokens, pool_pages, args.max_rows, pool == "uniform")
                 else:
+                    cache = args.prefix_cache_mib << 20
                     if args.timed:  # a first serve compiles this pool's programs; the second is timed
-                        serve(model, prompts, args.new_tokens, pool_pages, args.max_rows, pool == "uniform")
-                    runs[pool] = serve(model, prompts, args.new_tokens, pool_pages, args.max_rows, pool == "uniform")
+                        serve(model, prompts, args.new_tokens, pool_pages, args.max_rows, pool == "uniform",
+                              prefix_cache_bytes=cache)
+                    runs[pool] = serve(model, prompts, args.new_tokens, pool_pages, args.max_rows, pool == "uniform",
+                                       prefix_cache_bytes=cache)
             if model is not None:
                 if runs["jenga"]["tokens"] != runs["uniform"]["tokens"]:
                     raise AssertionError(f"greedy tokens differ between the pools at {context} tokens, {kind} traffic")
@@ -313,7 +321,8 @@ def main(argv=None) -> dict:
                **({} if args.timed else {"machine_shared": True}), "load_start": load_start, "load_end": cpu_load()}
     table = render_speed(payload) if args.timed else render(payload)
     name = ("bench_jenga_engine" + ("" if tiny else "_" + args.model.replace("-", "_"))
-            + ("" if args.mode == usual else "_" + args.mode) + ("_timed" if args.timed else ""))
+            + ("" if args.mode == usual else "_" + args.mode) + ("_timed" if args.timed else "")
+            + (f"_prefix{args.prefix_cache_mib}" if args.prefix_cache_mib else ""))
     paths = write_outputs(args.out, name, payload, table)
     plot(payload, f"{args.out}/{name}.png")
     print(table)
