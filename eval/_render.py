@@ -57,7 +57,7 @@ SPEED = {
     "eval.lib.tables:compile_times",
     "eval.lib.tables:attention", "eval.lib.tables:attention_stages", "eval.bench_locret_labels",
     "eval.lib.tables:policies", "eval.lib.tables:policies_by_page_dtype", "eval.lib.tables:selection_speed",
-    "eval.lib.tables:byte_bound", "eval.lib.tables:device_against_host", "eval.bench_jenga_engine:render_speed",
+    "eval.lib.tables:byte_bound", "eval.compare:device_against_host", "eval.bench_jenga_engine:render_speed",
     "eval.lib.tables:serving_load", "eval.bench_load:interleave_table", "eval.lib.tables:dispatch",
     "eval.bench_saved_state", "eval.bench_tests",
 }

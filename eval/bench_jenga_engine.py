@@ -299,13 +299,10 @@ def main(argv=None) -> dict:
             for pool in ("jenga", "uniform"):
                 if model is None:
                     runs[pool] = serve_counted(cfg, prompts, args.new_tokens, pool_pages, args.max_rows, pool == "uniform")
-                else:
-                    cache = args.prefix_cache_mib << 20
-                    if args.timed:  # a first serve compiles this pool's programs; the second is timed
-                        serve(model, prompts, args.new_tokens, pool_pages, args.max_rows, pool == "uniform",
-                              prefix_cache_bytes=cache)
-                    runs[pool] = serve(model, prompts, args.new_tokens, pool_pages, args.max_rows, pool == "uniform",
-                                       prefix_cache_bytes=cache)
+                else:  # with --timed a first serve compiles this pool's programs and the second is timed
+                    for _ in range(2 if args.timed else 1):
+                        runs[pool] = serve(model, prompts, args.new_tokens, pool_pages, args.max_rows,
+                                           pool == "uniform", prefix_cache_bytes=args.prefix_cache_mib << 20)
             if model is not None:
                 if runs["jenga"]["tokens"] != runs["uniform"]["tokens"]:
                     raise AssertionError(f"greedy tokens differ between the pools at {context} tokens, {kind} traffic")

@@ -65,6 +65,29 @@ def match(runs: list[dict]) -> list[dict]:
     return rows
 
 
+DEVICE_FIGURE_UNITS = ("ms", "tok/s", "x")
+# bench_decode's transformers side runs torch on the host's CPU in both runs: neither it nor kvjax's ratio to it
+# says anything of the device
+HOST_ONLY_FIGURES = ("transformers_", "decode_speedup", "prefill_speedup")
+
+
+def device_against_host(runs: list[dict]) -> str:
+    """Two `kvjax bench suite` runs of `kvjax bench device` (`[host CPU run.json, device run.json]`), `match`ed:
+    every time, rate and speedup figure both recorded, the device's over the host's (bandwidths: compare/)."""
+    host, device = runs
+    rows = [[r["benchmark"], r["name"], config_text(r["config"]), r["unit"], f"{r['values'][0]:.3g}",
+             f"{r['values'][1]:.3g}", f"{r['ratio_to_first'][1]:.2f}"] for r in match(runs)
+            if r["common"] and r["unit"] in DEVICE_FIGURE_UNITS and not r["name"].endswith("speedup_vs_1_step")
+            and not r["name"].startswith(HOST_ONLY_FIGURES)]
+    name = f"{device['device']['device_kind']} x{device['device']['device_count']}"
+    return (markdown_table(["member", "figure", "config", "unit", f"host CPU ({host['device']['cpu_count']} threads)",
+                            name, "device / host"], rows) +
+            f"\nThe `{device['settings']['preset']}` preset, float32, JAX {device['device']['jax']}; for ms, lower is "
+            "faster; for tok/s and x, higher. `decode` compares kvjax with transformers, whose torch runs on the "
+            "host's CPU in both runs: those figures are left out here. Large read (`jnp.sum`): host "
+            f"{host['large_read']['gbps']:.0f} GB/s, device {device['large_read']['gbps']:.0f} GB/s.\n")
+
+
 def run_label(run: dict, i: int) -> str:
     return run.get("label") or f"run {i + 1}"
 

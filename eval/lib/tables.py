@@ -5,8 +5,6 @@ ending with the run's load: `<!-- render eval.lib.tables:dispatch eval/results/d
 
 from __future__ import annotations
 
-import json
-
 from .report import load_line, markdown_table
 
 
@@ -405,33 +403,3 @@ def suite_times(payload: dict) -> str:
             f"\n{payload['label']}: the `{payload['settings']['preset']}` preset, {payload['wall_s']:.0f} s in all on "
             f"{payload['device'].get('cpu_model', '')}, {payload['device']['cpu_count']} cores. {load_line(load)}\n")
 
-
-DEVICE_FIGURE_UNITS = ("ms", "tok/s", "x")
-# bench_decode's transformers side runs torch on the host's CPU in both runs: neither it nor kvjax's ratio to it
-# says anything of the device
-HOST_ONLY_FIGURES = ("transformers_", "decode_speedup", "prefill_speedup")
-
-
-def device_against_host(payloads: list[dict]) -> str:
-    """Two `kvjax bench suite` runs of `kvjax bench device` (`[host CPU run.json, device run.json]`): every
-    time, rate and speedup figure both recorded, the device's over the host's (bandwidths are in compare/)."""
-    host, device = payloads
-    host_values = {(f["benchmark"], f["name"], json.dumps(f["config"], sort_keys=True)): f["value"]
-                   for f in host["figures"]}
-    rows = []
-    for f in device["figures"]:
-        key = (f["benchmark"], f["name"], json.dumps(f["config"], sort_keys=True))
-        if (f["unit"] not in DEVICE_FIGURE_UNITS or key not in host_values or f["name"].endswith("speedup_vs_1_step")
-                or f["name"].startswith(HOST_ONLY_FIGURES)):
-            continue
-        config = ", ".join(f"{k}={v}" for k, v in f["config"].items())
-        ratio = f["value"] / host_values[key]
-        rows.append([f["benchmark"], f["name"], config, f["unit"], f"{host_values[key]:.3g}", f"{f['value']:.3g}",
-                     f"{ratio:.2f}"])
-    name = f"{device['device']['device_kind']} x{device['device']['device_count']}"
-    return (markdown_table(["member", "figure", "config", "unit", f"host CPU ({host['device']['cpu_count']} threads)",
-                            name, "device / host"], rows) +
-            f"\nThe `{device['settings']['preset']}` preset, float32, JAX {device['device']['jax']}; for ms, lower is "
-            "faster; for tok/s and x, higher. `decode` compares kvjax with transformers, whose torch runs on the "
-            "host's CPU in both runs: those figures are left out here. Large read (`jnp.sum`): host "
-            f"{host['large_read']['gbps']:.0f} GB/s, device {device['large_read']['gbps']:.0f} GB/s.\n")
