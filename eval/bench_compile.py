@@ -4,7 +4,7 @@ A random-weight model of SmolLM2-135M's width (hidden 576, 9 query / 3 kv heads 
 49152, tied embeddings), float32, at several depths (default 4 and 30 layers, SmolLM2 has 30), under several
 policies. For each (depth, policy) one `generate` of a 512-token prompt and 4 new tokens runs in a fresh
 jit cache for its programs; JAX's compile events (trace, lowering to MLIR, XLA compile, by jitted function)
-say how long each program took to build: the prefill step (the first `append_step` program), the
+say how long each program took to build: the prefill step (`append_chunk`), the
 compression step, the decode loop (`decode_steps`, which holds the decode step), and everything else. A second,
 identical `generate` then runs from the cache (its wall time is the run without compiles). Last, two fresh
 processes time a first `generate` of the deepest model with JAX's persistent compilation cache
@@ -71,8 +71,9 @@ def smollm2_config(layers: int):
 
 
 def summarize(records: list[dict]) -> dict:
-    """Seconds per role: prefill (first append_step), compress, decode (the on-device decode loop
-    `decode_steps`, or a second append_step), other."""
+    """Seconds per role: prefill (`append_chunk`; `append_step` in runs before the decode step had its own
+    program, the first one), compress, decode (the on-device decode loop `decode_steps`, `append_token`, or
+    an older run's second `append_step`), other."""
     out = {"prefill_s": 0.0, "compress_s": 0.0, "decode_s": 0.0, "other_s": 0.0, "programs": len(records)}
     appends = 0
     for r in records:
@@ -80,7 +81,9 @@ def summarize(records: list[dict]) -> dict:
         if r["program"] == "append_step":
             out["decode_s" if appends else "prefill_s"] += seconds
             appends += 1
-        elif r["program"] == "decode_steps":
+        elif r["program"] == "append_chunk":
+            out["prefill_s"] += seconds
+        elif r["program"] in ("decode_steps", "append_token"):
             out["decode_s"] += seconds
         elif r["program"] == "compress_step":
             out["compress_s"] += seconds

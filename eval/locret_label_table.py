@@ -48,7 +48,7 @@ def answer_labels(model, state, contexts, questions, answers) -> tuple[jax.Array
     alone, max over the GQA group (`kvjax.locret.labels`' label, context keys only)."""
     from kvjax.cache.attention import attention_max
     from kvjax.cache.state import gather_layer
-    from kvjax.engine.step import append_step
+    from kvjax.engine.step import append_chunk
     from kvjax.policies import FullPolicy
 
     fed = [list(q) + list(a) for q, a in zip(questions, answers)]
@@ -72,7 +72,7 @@ def answer_labels(model, state, contexts, questions, answers) -> tuple[jax.Array
         return tuple(o.at[layer].set(jnp.where(ok, x, -jnp.inf)) for o, x in zip(out, best))
 
     empty = jnp.full((L, B, H, S), -jnp.inf, jnp.float32)
-    _, _, _, (both, answer) = append_step(
+    _, _, _, (both, answer) = append_chunk(
         model.params, state, None, jnp.asarray(tokens), jnp.asarray(real.sum(-1).astype(np.int32)),
         jnp.zeros((B, model.cfg.vocab_size), jnp.float32), cfg=model.cfg, dtype=model.dtype, policy=FullPolicy(),
         observe=observe, observed=(empty, empty))

@@ -50,7 +50,7 @@ def cmd_generate(args) -> int:
     if args.mesh:
         import jax
 
-        from kvjax.engine.generation import check_context
+        from kvjax.engine.api import check_context
 
         check_context(model.cfg, len(ids), args.max_new_tokens, args.allow_longer_context)
         tokens = dist.generate_sharded(model, [ids], args.max_new_tokens, policy, mesh=dist.mesh_from_text(args.mesh),
@@ -113,7 +113,7 @@ def cmd_prefill(args) -> int:
     ids = model.tokenizer(_read_prompt(args))["input_ids"]
     loaded = time.perf_counter()
     if args.mesh:  # each device prefills its kv heads; save_state merges the shards' pools into one
-        from kvjax.engine.generation import check_context
+        from kvjax.engine.api import check_context
 
         check_context(model.cfg, len(ids), 0, args.allow_longer_context)
         state, logits, _ = dist.prefill_sharded(model, [ids], policy, mesh=mesh, page_size=args.page_size,

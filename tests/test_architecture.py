@@ -305,3 +305,59 @@ def test_the_leaf_check_sees_a_program_importing_a_program(tmp_path):
     found = [p.split(": ", 1)[1].split(" (")[0] for p in _eval_arrows(files)]
     assert found == ["the program kvjax.eval.demo imports the program kvjax.eval.sweep",
                      "eval/lib's kvjax.eval.lib.tables imports the program kvjax.eval.sweep.accuracy_table"]
+
+
+# One Quest decode step through the public `kvjax.decode_step`, as traced: the files of kvjax/ whose Python
+# runs (the kernels' package aside), and the only modules that enter `kvjax.pallas_kernels`. The step routes
+# nothing through the prefill step (`engine/step.py`) or the host loops (`engine/generation.py`).
+DECODE_WALK = {"engine/api.py", "engine/decode.py", "models/transformer.py", "models/rope.py", "models/config.py",
+               "cache/state.py", "cache/attention.py", "policies/base.py", "policies/quest.py"}
+# (kvjax file, kernels' file it calls): each kernel from the one module that owns the choice, and the
+# state's page format (int8 / bfloat16 storage) from the state
+KERNEL_CALLS = {("cache/attention.py", "paged_decode.py"), ("policies/quest.py", "quest_scores.py"),
+                ("cache/state.py", "_quant.py")}
+
+
+def _walk_one_decode_step() -> tuple[set, set]:
+    """(kvjax files entered, (kvjax file, kernels' file) calls into the kernels' package) while one Quest
+    decode step is traced; a config no other test uses, so nothing comes from a compile cache."""
+    import sys
+
+    import numpy as np
+
+    import kvjax
+    from kvjax.models.config import ModelConfig
+    from kvjax.models.loading import Model, init_params
+
+    cfg = ModelConfig(model_type="llama", max_position_embeddings=512, vocab_size=97, hidden_size=40,
+                      intermediate_size=56, num_layers=3, num_heads=5, num_kv_heads=1, head_dim=8)
+    model = Model(cfg, init_params(cfg, seed=0))
+    policy = kvjax.make_policy("quest", token_budget=16, page_size=8, dense_layers=1)
+    state, _ = kvjax.prefill(model, [list(range(1, 40))], policy, page_size=8, max_new_tokens=4)
+    root = str(pathlib.Path(kvjax.__file__).parent) + "/"
+    kernels = str(pathlib.Path(importlib.util.find_spec("kvjax.pallas_kernels").origin).parent) + "/"
+    entered, callers = set(), set()
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        name = frame.f_code.co_filename
+        if name.startswith(root):
+            entered.add(name[len(root):])
+        elif name.startswith(kernels) and frame.f_back is not None and frame.f_back.f_code.co_filename.startswith(root):
+            callers.add((frame.f_back.f_code.co_filename[len(root):], name[len(kernels):]))
+
+    sys.setprofile(profile)
+    try:
+        kvjax.decode_step(model, state, [5], policy)
+    finally:
+        sys.setprofile(None)
+    return entered, callers
+
+
+def test_a_quest_decode_step_walks_these_files():
+    """The walk docs/design.md lists ("One Quest decode step, walked"): a file added to it, or the step
+    routed back through the prefill step or the host loops, fails here."""
+    entered, callers = _walk_one_decode_step()
+    assert entered == DECODE_WALK, f"entered {sorted(entered - DECODE_WALK)}, not {sorted(DECODE_WALK - entered)}"
+    assert callers == KERNEL_CALLS, f"the kernels' package is entered as {sorted(callers)}"

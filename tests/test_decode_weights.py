@@ -19,11 +19,12 @@ import pytest
 import kvjax
 from kvjax.models.config import ModelConfig
 from kvjax.engine.decode_loop import decode_steps
-from kvjax.engine.generation import policy_or_full
+from kvjax.engine.api import policy_or_full
 from kvjax.models.loading import Model, init_params
 from kvjax.models import is_unstacked, stack_layers, unstack_layers
 from kvjax.models.weight_copies import weight_copies, weight_shapes
-from kvjax.engine.step import append_step
+from kvjax.engine.decode import append_token
+from kvjax.engine.step import append_chunk
 
 # shapes no activation or cache array of a decode step takes: every [96, x] / [160, 96] array is a weight
 CFG = ModelConfig(
@@ -48,18 +49,20 @@ def policy_for(name):
 
 
 def decode_hlo(model, params, policy, chunk: int = 1) -> str:
-    """The compiled append step of `chunk` tokens (1: a decode step; more: a prefill chunk)."""
+    """The compiled decode step (`chunk` 0) or prefill chunk of `chunk` tokens."""
     state, logits = kvjax.prefill(model, PROMPT, policy, max_new_tokens=8)
-    lowered = append_step.lower(
-        params, state, None, jnp.zeros((1, chunk), jnp.int32), jnp.ones((1,), jnp.int32), logits, None, cfg=CFG,
-        dtype=jnp.float32, policy=policy,
-    )
+    if chunk == 0:
+        lowered = append_token.lower(params, state, jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32), logits,
+                                     cfg=CFG, dtype=jnp.float32, policy=policy)
+    else:
+        lowered = append_chunk.lower(params, state, None, jnp.zeros((1, chunk), jnp.int32), jnp.ones((1,), jnp.int32),
+                                     logits, None, cfg=CFG, dtype=jnp.float32, policy=policy)
     return lowered.compile().as_text()
 
 
-@pytest.mark.parametrize("chunk", [1, 16])
+@pytest.mark.parametrize("chunk", [0, 16])
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_append_step_copies_no_weight(model, name, chunk):
+def test_steps_copy_no_weight(model, name, chunk):
     shapes = weight_shapes(model.params)
     assert is_unstacked(model.params["layers"]) and (96, 160) in shapes
     assert weight_copies(decode_hlo(model, model.params, policy_for(name), chunk), shapes) == []
@@ -68,7 +71,7 @@ def test_append_step_copies_no_weight(model, name, chunk):
 def test_the_check_sees_the_scanned_steps_copies(model):
     """The stacked parameters, scanned: each weight matrix is sliced out (copied) every step."""
     stacked = stack_layers(model.params)
-    copies = weight_copies(decode_hlo(model, stacked, policy_for("full")), weight_shapes(stacked))
+    copies = weight_copies(decode_hlo(model, stacked, policy_for("full"), chunk=0), weight_shapes(stacked))
     assert len(copies) >= len(weight_shapes(stacked))
     assert all("dynamic-slice" in line for line in copies)
 
@@ -98,7 +101,7 @@ def test_decode_loop_copies_no_weight(model):
     state, logits = kvjax.prefill(model, PROMPT, policy, max_new_tokens=8)
     lowered = decode_steps.lower(
         model.params, state, logits, jnp.zeros((1,), jnp.int32), jax.random.PRNGKey(0),
-        jnp.zeros((1,), bool), jnp.zeros((1,), jnp.int32), jnp.int32(4), step=append_step, steps=4, cfg=CFG,
+        jnp.zeros((1,), bool), jnp.zeros((1,), jnp.int32), jnp.int32(4), step=append_token, steps=4, cfg=CFG,
         dtype=jnp.float32, policy=policy, temperature=0.0, top_k=0, top_p=1.0,
     )
     assert weight_copies(lowered.compile().as_text(), weight_shapes(model.params)) == []
@@ -112,10 +115,8 @@ def test_per_layer_decode_equals_stacked(model, name):
         state, logits = kvjax.prefill(model, PROMPT, policy, max_new_tokens=8)
         steps = []
         for token in (3, 11, 5):
-            state, _, logits = append_step(
-                params, state, None, jnp.full((1, 1), token, jnp.int32), jnp.ones((1,), jnp.int32), logits, None,
-                cfg=CFG, dtype=jnp.float32, policy=policy,
-            )
+            state, logits = append_token(params, state, jnp.full((1,), token, jnp.int32), jnp.ones((1,), jnp.int32),
+                                         logits, cfg=CFG, dtype=jnp.float32, policy=policy)
             steps.append(np.asarray(logits))
         results.append(np.stack(steps))
     np.testing.assert_allclose(results[1], results[0], rtol=2e-5, atol=2e-5)

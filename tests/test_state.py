@@ -106,7 +106,7 @@ def test_prompt_longer_than_capacity_raises_before_work(llama, monkeypatch):
     def no_work(*args, **kwargs):
         raise AssertionError("a step ran before the capacity check")
 
-    monkeypatch.setattr(gen, "LOCAL_BACKEND", gen.LOCAL_BACKEND._replace(append_step=no_work, compress_step=no_work))
+    monkeypatch.setattr(gen, "LOCAL_BACKEND", gen.LOCAL_BACKEND._replace(append_chunk=no_work, append_token=no_work, compress_step=no_work))
     with pytest.raises(kvjax.CacheCapacityError, match="needs 40 tokens .* capacity is 32 tokens") as info:
         kvjax.generate(llama, random_tokens(0, (1, 30)), max_new_tokens=10, capacity=32)
     assert info.value.pages_needed == 3 and info.value.pages_available == 2

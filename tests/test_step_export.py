@@ -20,11 +20,11 @@ import pytest
 import kvjax
 from conftest import simulate
 from kvjax.models.config import ModelConfig
-from kvjax.engine.generation import policy_or_full
+from kvjax.engine.api import policy_or_full
 from kvjax.models.loading import Model, init_params
 from kvjax.pallas_kernels import target_platform
 from kvjax.pallas_kernels._backend import triton_compiler_params
-from kvjax.engine.step import append_step
+from kvjax.engine.decode import append_token
 
 # head_dim 128: the TPU kernels' blocks need a lane-sized last axis
 CFG = ModelConfig(
@@ -50,7 +50,7 @@ def policy_for(name):
 
 def abstract_decode_args(model, policy):
     state, logits = kvjax.prefill(model, PROMPT, policy, max_new_tokens=8)
-    args = (model.params, state, None, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), logits, None)
+    args = (model.params, state, jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32), logits)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
 
 
@@ -59,7 +59,7 @@ def test_decode_step_exports_for_tpu(model, name):
     policy = policy_for(name)
     args = abstract_decode_args(model, policy)
     with simulate("tpu"), target_platform("tpu", check_compiles=False):
-        exported = jax.export.export(append_step, platforms=["tpu"])(
+        exported = jax.export.export(append_token, platforms=["tpu"])(
             *args, cfg=CFG, dtype=jnp.float32, policy=policy
         )
     assert exported.platforms == ("tpu",)
@@ -75,7 +75,7 @@ def test_decode_step_exports_for_cuda(model, name):
     triton = "__gpu$xla.gpu.triton"
     with simulate("cuda"), target_platform("cuda", check_compiles=False):
         exported = jax.export.export(
-            append_step, platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)]
+            append_token, platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)]
         )(*args, cfg=CFG, dtype=jnp.float32, policy=policy)
     assert exported.platforms == ("cuda",)
     assert exported.mlir_module().count(f"stablehlo.custom_call @{triton}") == KERNEL_CALLS[name]

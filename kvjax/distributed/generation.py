@@ -18,16 +18,16 @@ from kvjax.distributed.mesh import AXES, DATA, ShardingPlan, plan_for, shard_par
 from kvjax.distributed.state import (
     head_axis, init_sharded_state, per_shard, sharded_overflow_error, state_spec, to_host,
 )
+from kvjax.engine.api import as_token_lists, policy_or_full
 from kvjax.engine.generation import (
     DEFAULT_STEPS_PER_DISPATCH,
-    as_token_lists,
     generate_rows,
-    policy_or_full,
     PrefillPlan,
     prefill_rows,
 )
 from kvjax.engine.saved_state import SavedState, load_state
-from kvjax.engine.step import OneDevice, StepBackend, append_step, compress_step
+from kvjax.engine.decode import OneDevice, append_token
+from kvjax.engine.step import StepBackend, append_chunk, compress_step
 from kvjax.models.loading import Model
 from kvjax.policies import Policy
 
@@ -100,7 +100,8 @@ def _backend(mesh: Mesh, plan: ShardingPlan) -> StepBackend:
 
     return StepBackend(
         new_state,
-        functools.partial(append_step, placement=placement),
+        functools.partial(append_chunk, placement=placement),
+        functools.partial(append_token, placement=placement),
         functools.partial(compress_step, placement=placement),
         sharded_overflow_error,
         lambda x: jax.device_put(np.asarray(x), batch),
@@ -181,7 +182,7 @@ def generate_sharded(
     model, plan = _placed(model, mesh, on_indivisible)
     given = as_token_lists(prompt_ids, model.cfg.vocab_size)
     result = generate_rows(
-        model, _padded_rows(given, plan.data), max_new_tokens, policy, decode_last=decode_last,
+        model, _padded_rows(given, plan.data), max_new_tokens, policy_or_full(policy), decode_last=decode_last,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, page_size=page_size, capacity=capacity,
         chunk_size=chunk_size, eos_token_id=eos_token_id, return_logprobs=return_logprobs,
         backend=_backend(mesh, plan), steps_per_dispatch=steps_per_dispatch,

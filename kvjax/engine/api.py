@@ -1,6 +1,7 @@
-"""kvjax's public generation API: `prefill`, `decode_step`, `generate`, `generate_text`, `forward_logits`, and
-the dense no-cache forward (`dense_forward`) every cached path is checked against. The host loops they
-drive live in `kvjax.engine.generation`."""
+"""kvjax's public generation API: `prefill`, `decode_step`, `generate`, `generate_text`, `forward_logits`, the
+dense no-cache forward (`dense_forward`) every cached path is checked against, and the checks of what enters
+(tokens, context, policy), which every entry point uses. The host loops they drive live in
+`kvjax.engine.generation`."""
 
 from __future__ import annotations
 
@@ -14,14 +15,73 @@ import numpy as np
 from kvjax.cache.attention import dense_causal_attention
 from kvjax.cache.state import KVState, overflow_error
 from kvjax.engine.generation import (
-    DEFAULT_CHUNK_SIZE, DEFAULT_STEPS_PER_DISPATCH, as_token_lists, check_context, generate_rows, policy_or_full, PrefillPlan, prefill_rows,
+    DEFAULT_CHUNK_SIZE, DEFAULT_STEPS_PER_DISPATCH, generate_rows, PrefillPlan, prefill_rows,
 )
-from kvjax.engine.step import LOCAL_BACKEND
+from kvjax.engine.decode import append_token
 from kvjax.models import CausalLM
 from kvjax.models.config import ModelConfig
 from kvjax.models.loading import Model
 from kvjax.models.rope import rope_frequencies, uses_long_factors
-from kvjax.policies import Policy
+from kvjax.policies import FullPolicy, Policy
+
+
+# ------------------------------------------------------------------------------ what enters, checked
+
+
+def as_token_lists(prompt_ids, vocab_size: int, name: str = "prompt_ids") -> list[np.ndarray]:
+    """Validate prompts given as an int array `[B, T]` or a list of token lists (ragged)."""
+    if isinstance(prompt_ids, (np.ndarray, jax.Array)):
+        array = np.asarray(prompt_ids)
+        if array.ndim == 1:
+            array = array[None, :]
+        if array.ndim != 2:
+            raise ValueError(f"{name} must be [batch, length] or a list of token lists, got shape {array.shape}")
+        rows = list(array)
+    else:
+        rows = [np.asarray(list(r) if not isinstance(r, np.ndarray) else r) for r in prompt_ids]
+    if not rows:
+        raise ValueError(f"{name} is empty: give at least one prompt")
+    return [as_token_row(row, vocab_size, f"{name}[{i}]") for i, row in enumerate(rows)]
+
+
+def as_token_row(row, vocab_size: int, name: str) -> np.ndarray:
+    """One token sequence as int32[T], refused by `name` when empty, not 1-D, not integer, or holding an id
+    outside the vocabulary (which would embed as NaN)."""
+    row = np.asarray(row)
+    if row.size == 0:
+        raise ValueError(f"{name} is empty: every sequence needs at least one token")
+    if row.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D list of token ids, got shape {row.shape}")
+    if not np.issubdtype(row.dtype, np.integer):
+        raise ValueError(f"{name} must hold integer token ids, got dtype {row.dtype}")
+    bad = np.flatnonzero((row < 0) | (row >= vocab_size))
+    if bad.size:
+        raise ValueError(
+            f"{name} has token id {int(row[bad[0]])} at position {int(bad[0])} outside the vocabulary [0, {vocab_size})"
+        )
+    return row.astype(np.int32)
+
+
+def check_context(cfg: ModelConfig, longest_prompt: int, max_new_tokens: int, allow_longer_context: bool) -> None:
+    """Refuse, before any work, a request longer than the model's context (`max_position_embeddings`)."""
+    needed = longest_prompt + max_new_tokens
+    if needed > cfg.max_position_embeddings and not allow_longer_context:
+        raise ValueError(
+            f"the longest prompt ({longest_prompt} tokens) plus max_new_tokens ({max_new_tokens}) needs {needed} "
+            f"positions but the model's context is {cfg.max_position_embeddings} (max_position_embeddings); pass "
+            "allow_longer_context=True to run past it anyway"
+        )
+
+
+def policy_or_full(policy: Policy | None) -> Policy:
+    if policy is None:
+        return FullPolicy()
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a kvjax Policy (see kvjax.make_policy), got {type(policy).__name__}")
+    return policy
+
+
+# ------------------------------------------------------------------------------------------- entries
 
 
 def dense_forward(params, tokens, cfg: ModelConfig, dtype=jnp.float32, long_rope: bool = False,
@@ -114,12 +174,11 @@ def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None =
 
 
 def _decode_tokens(model: Model, state: KVState, tokens: jax.Array, policy: Policy) -> tuple[jax.Array, KVState]:
-    """One decode step of `tokens int32[B]` on one device (`append_step`: no checks, traceable)."""
+    """One decode step of `tokens int32[B]` on one device (`append_token`: no checks, traceable)."""
     B = tokens.shape[0]
-    state, _, logits = LOCAL_BACKEND.append_step(
-        model.params, state, None, tokens[:, None], jnp.ones((B,), jnp.int32),
-        jnp.zeros((B, model.cfg.vocab_size), jnp.float32), None, cfg=model.cfg, dtype=model.dtype, policy=policy,
-    )
+    state, logits = append_token(model.params, state, tokens, jnp.ones((B,), jnp.int32),
+                                 jnp.zeros((B, model.cfg.vocab_size), jnp.float32), cfg=model.cfg, dtype=model.dtype,
+                                 policy=policy)
     return logits, state
 
 
@@ -158,7 +217,7 @@ def generate(
     rows = as_token_lists(prompt_ids, model.cfg.vocab_size)
     check_context(model.cfg, max(len(r) for r in rows), max_new_tokens, allow_longer_context)
     return generate_rows(
-        model, rows, max_new_tokens, policy, decode_last=decode_last, temperature=temperature, top_k=top_k,
+        model, rows, max_new_tokens, policy_or_full(policy), decode_last=decode_last, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, page_size=page_size, capacity=capacity, chunk_size=chunk_size,
         eos_token_id=eos_token_id, return_logprobs=return_logprobs, progress=progress,
         steps_per_dispatch=steps_per_dispatch, on_tokens=on_tokens,

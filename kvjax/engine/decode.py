@@ -1,22 +1,105 @@
-"""A decode step as a loop over layers the engine drives: each layer reads top to bottom (write, select,
-attend, score/evict) between the model's two halves; the model never calls back into the engine.
+"""The decode step (`append_token`): a loop over layers, each read top to bottom (write, select, attend,
+score/evict) between the model's two halves; and what prefill shares with it (`OneDevice`, `layer_segments`).
 
 Notes: docs/modules.md (`kvjax/engine/decode.py`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.cache.attention import decode_attention, read_slots
 from kvjax.cache.compaction import evict_one_slot
-from kvjax.cache.state import KVState, add_slot_scores, append_to_layer, gather_layer
+from kvjax.cache.state import KVState, add_slot_scores, allocate_for_append, append_to_layer, gather_layer
 from kvjax.models.config import ModelConfig
+from kvjax.models.rope import rope_frequencies
 from kvjax.models.transformer import embed, final_logits, layer_inputs, layer_output
 from kvjax.policies import DecodeView, PageView, Policy, PromptView, layer_roles
+
+
+# ------------------------------------------------------------------------------------------ placement
+
+# The arrays the steps hand to their page work carry layouts, one letter per axis (b batch rows, h heads,
+# c chunk tokens, s slots, d head dim; "" a scalar, "state" a whole KVState; `kvjax.engine.decode.VIEW_LAYOUTS`).
+# One device ignores them; a mesh (`kvjax.distributed`) splits b over "data" and h over "model".
+# KVState fields `allocate_for_append` changes besides `overflow` (restored when another shard failed)
+_ALLOCATION_FIELDS = ("page_table", "num_free", "refcount", "kmin", "kmax", "slot_pos", "slot_score")
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDevice:
+    """Where the steps' state lives: here one whole `KVState` on one device. Every call that reads or writes
+    pages goes through `per_shard(fn, in_layouts, out_layouts)`; a policy's decisions (`compress_layer`,
+    `decode_scores`) run outside it on the whole `PromptView` / `DecodeView`. `kvjax.distributed.MeshPlacement` runs the
+    same calls per shard of a stacked state under `shard_map`, so the steps below are written once."""
+
+    sharded = False
+
+    def per_shard(self, fn: Callable, in_layouts: tuple, out_layouts) -> Callable:
+        return fn
+
+    def all_shards(self, ok: jax.Array) -> jax.Array:
+        """Inside `per_shard`: whether `ok` holds on every shard."""
+        return ok
+
+    def next_position(self, state: KVState) -> jax.Array:
+        """int32[B]: each sequence's next position."""
+        return state.next_position
+
+    def with_next_position(self, state: KVState, next_position: jax.Array) -> KVState:
+        return state.replace(next_position=next_position)
+
+
+ONE_DEVICE = OneDevice()
+
+
+def allocate_everywhere(state: KVState, num_new, *, C: int, placement: OneDevice):
+    """`allocate_for_append` with one rule kept across shards: a step appends everywhere or nowhere (a shard
+    that got its pages while another could not gives them back). Returns `(state, num_new or 0)`."""
+    new, ok = allocate_for_append(state, num_new, C)
+    if placement.sharded:
+        ok = placement.all_shards(ok)
+        new = new.replace(**{f: jnp.where(ok, getattr(new, f), getattr(state, f)) for f in _ALLOCATION_FIELDS})
+    return new, jnp.where(ok, num_new, 0)
+
+
+
+# ------------------------------------------------------------------------------------------- the step
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "policy", "placement"), donate_argnames=("state",))
+def append_token(params, state: KVState, tokens, num_new, last_logits, *, cfg: ModelConfig, dtype, policy: Policy,
+                 placement: OneDevice = ONE_DEVICE) -> tuple[KVState, jax.Array]:
+    """A decode step: append `tokens int32[B]` (a row with `num_new int32[B]` 0 appends nothing and keeps
+    `last_logits f32[B, V]`) to every layer, the policy's selection and decode-time eviction applying.
+    `params` is the model's parameter tree; `placement` where the state lives (`OneDevice`, or a mesh's
+    stacked state, `kvjax.distributed.MeshPlacement`). Returns `(state, logits f32[B, V])`. Donates `state`."""
+    allocate = functools.partial(allocate_everywhere, C=1, placement=placement)
+    state, num_new = placement.per_shard(allocate, ("state", "b"), ("state", "b"))(state, num_new)
+    positions = placement.next_position(state)[:, None]  # int32[B, 1]
+    next_position = positions[:, 0] + num_new
+    plans = decode_plans(policy, layer_segments(policy, state, cfg.num_layers, cfg.windows), cfg.windows)
+    state, logits = decode_forward(params, state, tokens[:, None], positions, num_new, next_position, plans, cfg=cfg,
+                                   dtype=dtype, policy=policy, placement=placement,
+                                   rope=rope_frequencies(cfg, state.long_rope))
+    logits = jnp.where((num_new > 0)[:, None], logits, last_logits)
+    return placement.with_next_position(state, next_position), logits
+
+
+def layer_segments(policy: Policy, state: KVState, num_layers: int, windows: tuple = ()) -> tuple[tuple[int, int], ...]:
+    """Runs `(start, stop)` of layers the step treats alike at trace time: the roles `policy` plays in them
+    (`layer_roles`), how many pages they read and their sliding window (`windows`, the
+    model's `ModelConfig.windows`; empty: none). Usually one or two runs (dense layers first), so the
+    steps' compile time does not grow with depth (a model alternating windows, Gemma-2's, has one run a
+    layer)."""
+    key = [(layer_roles(policy, l), state.layer_read_pages(l), windows[l] if windows else 0) for l in range(num_layers)]
+    starts = [l for l in range(num_layers) if l == 0 or key[l] != key[l - 1]]
+    return tuple(zip(starts, starts[1:] + [num_layers]))
+
 
 
 class DecodePlan(NamedTuple):
@@ -42,7 +125,7 @@ STEP_LAYOUTS = ("state", "", "bchd", "bchd", "bchd", "bc", "b")  # state, layer,
 
 
 def decode_plans(policy: Policy, segments, windows: tuple) -> tuple[DecodePlan, ...]:
-    """One `DecodePlan` per run of alike layers (`segments`, `engine.step.layer_segments`), from the roles
+    """One `DecodePlan` per run of alike layers (`segments`, `layer_segments`), from the roles
     the policy plays there (`layer_roles`); a sliding-window layer's own rule replaces them."""
     slots = policy.selector is not None and policy.selector.unit == "slot"
     plans = []
@@ -198,6 +281,6 @@ def page_view(state: KVState, layer, num_layers: int, q) -> PageView:
     )
 
 
-__all__ = ["DecodePlan", "SLOT_FIELDS", "VIEW_LAYOUTS", "attend_in_window", "decode_forward", "decode_layer",
-           "decode_plans", "evict_over_budget", "new_sketch_rows", "over_layers", "page_view", "prompt_view",
+__all__ = ["DecodePlan", "ONE_DEVICE", "OneDevice", "SLOT_FIELDS", "VIEW_LAYOUTS", "allocate_everywhere",
+           "append_token", "attend_in_window", "decode_forward", "decode_layer", "decode_plans", "layer_segments", "evict_over_budget", "new_sketch_rows", "over_layers", "page_view", "prompt_view",
            "slot_fields", "write_select_attend"]

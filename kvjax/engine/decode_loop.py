@@ -40,7 +40,7 @@ def decode_steps(
 ) -> Dispatch:
     """Run at most `steps` decode steps (module docstring) from `pending int32[B]`, `key` (one key, or
     `[B, 2]` per row), `done bool[B]`; `eos int32[E]` are the stop tokens, `limit int32[]` or `int32[B]` the
-    steps each row may still take. `step` is a `StepBackend.append_step` (static: one program per backend
+    steps each row may still take. `step` is a `StepBackend.append_token` (static: one program per backend
     and shape). Donates `state`."""
     B = pending.shape[0]
     tokens = jnp.full((B, steps), -1, jnp.int32)
@@ -70,10 +70,8 @@ def decode_steps(
     def body(carry):
         i, state, logits, pending, key, done, tokens, logprobs = carry
         appending = live(i, done)
-        state, _, logits = step(
-            params, state, None, pending[:, None], appending.astype(jnp.int32), logits, None, cfg=cfg, dtype=dtype,
-            policy=policy,
-        )
+        state, logits = step(params, state, pending, appending.astype(jnp.int32), logits, cfg=cfg, dtype=dtype,
+                             policy=policy)
         key, new, new_logprobs = sample(logits, key)
         tokens = tokens.at[:, i].set(jnp.where(appending, new, -1))
         logprobs = logprobs.at[:, i].set(jnp.where(appending, new_logprobs, jnp.nan))

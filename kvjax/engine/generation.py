@@ -1,5 +1,5 @@
-"""The host loops behind the public API (`kvjax.engine.api`): chunked prefill of rows, the on-device decode
-of rows, feeding given tokens, and the input checks. Subsystems (serving, RAG, distributed) build on them.
+"""The host loops behind the public API (`kvjax.engine.api`, which checks what enters): chunked prefill of
+rows, the on-device decode of rows, feeding given tokens. Subsystems (serving, RAG, distributed) build on them.
 
 Notes: docs/modules.md (`kvjax/engine/generation.py`)."""
 
@@ -13,10 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from kvjax.models.config import ModelConfig
 from kvjax.engine.decode_loop import decode_steps
 from kvjax.models.loading import Model
-from kvjax.policies import FullPolicy, Policy
+from kvjax.policies import Policy
 from kvjax.models.rope import uses_long_factors
 from kvjax.cache.rows import insert_row
 from kvjax.engine.sampling import sample_first_tokens, validate_sampling
@@ -34,43 +33,6 @@ def bucketed(tokens: int) -> int:
     return -(-tokens // CAPACITY_BUCKET) * CAPACITY_BUCKET
 
 
-# ------------------------------------------------------------------------------------------ inputs
-
-
-def as_token_lists(prompt_ids, vocab_size: int, name: str = "prompt_ids") -> list[np.ndarray]:
-    """Validate prompts given as an int array `[B, T]` or a list of token lists (ragged)."""
-    if isinstance(prompt_ids, (np.ndarray, jax.Array)):
-        array = np.asarray(prompt_ids)
-        if array.ndim == 1:
-            array = array[None, :]
-        if array.ndim != 2:
-            raise ValueError(f"{name} must be [batch, length] or a list of token lists, got shape {array.shape}")
-        rows = list(array)
-    else:
-        rows = [np.asarray(list(r) if not isinstance(r, np.ndarray) else r) for r in prompt_ids]
-    if not rows:
-        raise ValueError(f"{name} is empty: give at least one prompt")
-    return [as_token_row(row, vocab_size, f"{name}[{i}]") for i, row in enumerate(rows)]
-
-
-def as_token_row(row, vocab_size: int, name: str) -> np.ndarray:
-    """One token sequence as int32[T], refused by `name` when empty, not 1-D, not integer, or holding an id
-    outside the vocabulary (which would embed as NaN)."""
-    row = np.asarray(row)
-    if row.size == 0:
-        raise ValueError(f"{name} is empty: every sequence needs at least one token")
-    if row.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D list of token ids, got shape {row.shape}")
-    if not np.issubdtype(row.dtype, np.integer):
-        raise ValueError(f"{name} must hold integer token ids, got dtype {row.dtype}")
-    bad = np.flatnonzero((row < 0) | (row >= vocab_size))
-    if bad.size:
-        raise ValueError(
-            f"{name} has token id {int(row[bad[0]])} at position {int(bad[0])} outside the vocabulary [0, {vocab_size})"
-        )
-    return row.astype(np.int32)
-
-
 def _chunk_size_for(longest: int, chunk_size: int) -> int:
     """A power-of-two chunk no larger than needed (few compiles for short prompts)."""
     if chunk_size <= 0:
@@ -79,25 +41,6 @@ def _chunk_size_for(longest: int, chunk_size: int) -> int:
     while bucket < min(longest, chunk_size):
         bucket *= 2
     return min(bucket, chunk_size)
-
-
-def check_context(cfg: ModelConfig, longest_prompt: int, max_new_tokens: int, allow_longer_context: bool) -> None:
-    """Refuse, before any work, a request longer than the model's context (`max_position_embeddings`)."""
-    needed = longest_prompt + max_new_tokens
-    if needed > cfg.max_position_embeddings and not allow_longer_context:
-        raise ValueError(
-            f"the longest prompt ({longest_prompt} tokens) plus max_new_tokens ({max_new_tokens}) needs {needed} "
-            f"positions but the model's context is {cfg.max_position_embeddings} (max_position_embeddings); pass "
-            "allow_longer_context=True to run past it anyway"
-        )
-
-
-def policy_or_full(policy: Policy | None) -> Policy:
-    if policy is None:
-        return FullPolicy()
-    if not isinstance(policy, Policy):
-        raise TypeError(f"policy must be a kvjax Policy (see kvjax.make_policy), got {type(policy).__name__}")
-    return policy
 
 
 # --------------------------------------------------------------------------------------------- API
@@ -240,7 +183,7 @@ def prefill_chunk_steps(
         for i in tqdm(range(num_chunks), desc="prefill", unit="chunk", disable=not progress or num_chunks < 2,
                       leave=False):
             num_new = np.clip(part_len - i * C, 0, C).astype(np.int32)
-            state, last_queries, logits = backend.append_step(
+            state, last_queries, logits = backend.append_chunk(
                 model.params, state, last_queries, backend.put(padded[:, i * C : (i + 1) * C]), backend.put(num_new),
                 logits, policy_params, cfg=cfg, dtype=model.dtype, policy=policy,
             )
@@ -300,14 +243,14 @@ def compress_prefilled(
 
 
 def generate_rows(
-    model: Model, rows: list[np.ndarray], max_new_tokens: int, policy: Policy | None, *, decode_last: int,
+    model: Model, rows: list[np.ndarray], max_new_tokens: int, policy: Policy, *, decode_last: int,
     temperature: float, top_k: int, top_p: float, seed: int, page_size: int, capacity: int | None, chunk_size: int,
     eos_token_id, return_logprobs: bool, backend: StepBackend | None = None, progress: bool = False,
     steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, on_tokens: Callable | None = None,
 ):
-    """`generate` on validated token rows, with the state on `backend` (one device by default, or a mesh)."""
+    """`generate` on checked token rows (`kvjax.engine.api`), with the state on `backend` (one device by
+    default, or a mesh)."""
     backend = backend or LOCAL_BACKEND
-    policy = policy_or_full(policy)
     validate_sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -350,10 +293,9 @@ def feed_tokens(
         tokens = np.array([r[j] if j < len(r) else 0 for r in rows], np.int32)
         if return_nll:
             nll[:, j] = np.where(j < lengths, np.asarray(_token_nll(logits, jnp.asarray(tokens))), np.nan)
-        state, _, logits = backend.append_step(
-            model.params, state, None, backend.put(tokens[:, None]), backend.put((j < lengths).astype(np.int32)),
-            logits, None, cfg=model.cfg, dtype=model.dtype, policy=policy,
-        )
+        state, logits = backend.append_token(model.params, state, backend.put(tokens),
+                                             backend.put((j < lengths).astype(np.int32)), logits, cfg=model.cfg,
+                                             dtype=model.dtype, policy=policy)
     return (state, logits, nll) if return_nll else (state, logits)
 
 
@@ -392,7 +334,7 @@ def continue_rows(
     while t < max_new_tokens and not done.all() and not stopped:
         run = decode_steps(
             model.params, state, logits, pending, key, done_device, eos_device, jnp.int32(max_new_tokens - t),
-            step=backend.append_step, steps=steps_per_dispatch, cfg=model.cfg, dtype=model.dtype, policy=policy,
+            step=backend.append_token, steps=steps_per_dispatch, cfg=model.cfg, dtype=model.dtype, policy=policy,
             temperature=temperature, top_k=top_k, top_p=top_p,
         )
         state, logits, pending, key, done_device = run.state, run.logits, run.pending, run.key, run.done

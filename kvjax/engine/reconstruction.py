@@ -1,5 +1,5 @@
 """KVzip's context reconstruction: the prompt fed again after a repeat instruction, through the one step
-(`append_step` with `observe`); each prompt slot scored by the attention the repetition gives it.
+(`append_chunk` with `observe`); each prompt slot scored by the attention the repetition gives it.
 
 Notes: docs/modules.md (`kvjax/engine/reconstruction.py`)."""
 
@@ -15,7 +15,7 @@ import numpy as np
 from kvjax.cache.attention import attention_max
 from kvjax.cache.compaction import compact_layer
 from kvjax.cache.state import KVState, gather_layer, set_slot_scores
-from kvjax.engine.step import append_step, scan_layers
+from kvjax.engine.step import append_chunk, scan_layers
 from kvjax.models.loading import Model
 from kvjax.policies import FullPolicy, Policy, ScoringPass
 
@@ -121,7 +121,7 @@ def reconstruction_scores(model: Model, state: KVState, rows: Sequence[np.ndarra
         observed = {"scores": scores, "real": jnp.asarray(np.arange(C)[None, :] < num_new[:, None]),
                     "lo": jnp.asarray([f[0] for f in feeds], jnp.int32),
                     "hi": jnp.asarray([f[1] for f in feeds], jnp.int32), "n": jnp.asarray(lengths)}
-        state, _, _, observed = append_step(
+        state, _, _, observed = append_chunk(
             model.params, state, None, jnp.asarray(tokens), jnp.asarray(num_new), logits, cfg=model.cfg,
             dtype=model.dtype, policy=FULL, observe=observe, observed=observed,
         )

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.state import CacheCapacityError, KeySketch, KVState, init_state, pages_for
-from kvjax.engine.generation import as_token_row, continue_rows, feed_tokens, policy_or_full
+from kvjax.engine.api import as_token_row, policy_or_full
+from kvjax.engine.generation import continue_rows, feed_tokens
 from kvjax.engine.step import LOCAL_BACKEND, StepBackend
 from kvjax.models.loading import Model
 from kvjax.policies import POLICY_REGISTRY, Policy, layer_roles

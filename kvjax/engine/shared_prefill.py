@@ -11,9 +11,9 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from kvjax.engine.api import as_token_lists, check_context, policy_or_full
 from kvjax.engine.generation import (
-    DEFAULT_CHUNK_SIZE, as_token_lists, bucketed, check_context, compress_prefilled,
-    policy_or_full, PrefillPlan, prefill_chunk_steps, run_to_end,
+    DEFAULT_CHUNK_SIZE, bucketed, compress_prefilled, PrefillPlan, prefill_chunk_steps, run_to_end,
 )
 from kvjax.models.loading import Model
 from kvjax.policies import Compressor, Policy, PromptView

@@ -1,11 +1,10 @@
-"""The jitted steps over the paged KV state (append a chunk to every layer and attend; compress), and a
-prefill chunk's loop over layers, which reads top to bottom as `kvjax.engine.decode`'s does.
+"""The prefill steps (`append_chunk`: a chunk's loop over layers, read top to bottom as a decode step's is;
+`compress_step`) and the host loops' `StepBackend`.
 
 Notes: docs/modules.md (`kvjax/engine/step.py`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -15,8 +14,8 @@ import jax.numpy as jnp
 from kvjax.cache.attention import attention_column_sums, blocked_paged_attention
 from kvjax.cache.compaction import compact_layer
 from kvjax.engine.decode import (
-    SLOT_FIELDS, VIEW_LAYOUTS, decode_forward, decode_plans, new_sketch_rows, over_layers, page_view, prompt_view,
-    slot_fields,
+    ONE_DEVICE, SLOT_FIELDS, VIEW_LAYOUTS, OneDevice, allocate_everywhere, append_token, layer_segments,
+    new_sketch_rows, over_layers, prompt_view, slot_fields,
 )
 from kvjax.models.config import ModelConfig
 from kvjax.models.rope import rope_frequencies
@@ -25,7 +24,6 @@ from kvjax.policies import Policy, layer_roles
 from kvjax.cache.state import (
     KVState,
     add_slot_scores,
-    allocate_for_append,
     append_to_layer,
     gather_layer,
     init_state,
@@ -33,17 +31,6 @@ from kvjax.cache.state import (
 )
 
 # ------------------------------------------------------------------------------------------- per layer
-
-
-def layer_segments(policy: Policy, state: KVState, num_layers: int, windows: tuple = ()) -> tuple[tuple[int, int], ...]:
-    """Runs `(start, stop)` of layers the step treats alike at trace time: the roles `policy` plays in them
-    (`layer_roles`), how many pages they read and their sliding window (`windows`, the
-    model's `ModelConfig.windows`; empty: none). Usually one or two runs (dense layers first), so the
-    steps' compile time does not grow with depth (a model alternating windows, Gemma-2's, has one run a
-    layer)."""
-    key = [(layer_roles(policy, l), state.layer_read_pages(l), windows[l] if windows else 0) for l in range(num_layers)]
-    starts = [l for l in range(num_layers) if l == 0 or key[l] != key[l - 1]]
-    return tuple(zip(starts, starts[1:] + [num_layers]))
 
 
 def append_and_attend(state: KVState, layer, q, k, v, positions, num_new, *, policy: Policy, accumulate: bool = False,
@@ -162,7 +149,7 @@ def prefill_layer(layers, layer, x, state: KVState, positions, num_new, next_pos
     """One layer of a prefill chunk, `x [B, C, E]` -> `(x, state, queries, observed)`: the model's first
     half (norm, q/k/v, RoPE), then on the layer's pages write the chunk's k/v (with the schedule's
     per-token scores) and attend (adding H2O's attention sums), then the chunk's queries into the carry of
-    last queries (`queries [L, B, w, Hq, D]` or None), `observe` (`append_step`), the model's second half."""
+    last queries (`queries [L, B, w, Hq, D]` or None), `observe` (`append_chunk`), the model's second half."""
     inputs = layer_inputs(layers, layer, cfg, dtype, x, positions, rope, first=plan.start, stop=plan.stop)
     args = (state, layer, inputs.q, inputs.k, inputs.v, positions, num_new, next_position)
     layouts = ("state", "", "bchd", "bchd", "bchd", "bc", "b", "b")  # the traced layer enters a shard as an argument
@@ -192,52 +179,6 @@ def scan_layers(body: Callable[[Any, Any], Any], carry, start: int, stop: int):
     return carry
 
 
-# ------------------------------------------------------------------------------------------ placement
-
-# The arrays the steps hand to their page work carry layouts, one letter per axis (b batch rows, h heads,
-# c chunk tokens, s slots, d head dim; "" a scalar, "state" a whole KVState; `kvjax.engine.decode.VIEW_LAYOUTS`).
-# One device ignores them; a mesh (`kvjax.distributed`) splits b over "data" and h over "model".
-# KVState fields `allocate_for_append` changes besides `overflow` (restored when another shard failed)
-_ALLOCATION_FIELDS = ("page_table", "num_free", "refcount", "kmin", "kmax", "slot_pos", "slot_score")
-
-
-@dataclasses.dataclass(frozen=True)
-class OneDevice:
-    """Where the steps' state lives: here one whole `KVState` on one device. Every call that reads or writes
-    pages goes through `per_shard(fn, in_layouts, out_layouts)`; a policy's decisions (`compress_layer`,
-    `decode_scores`) run outside it on the whole `PromptView` / `DecodeView`. `kvjax.distributed.MeshPlacement` runs the
-    same calls per shard of a stacked state under `shard_map`, so the steps below are written once."""
-
-    sharded = False
-
-    def per_shard(self, fn: Callable, in_layouts: tuple, out_layouts) -> Callable:
-        return fn
-
-    def all_shards(self, ok: jax.Array) -> jax.Array:
-        """Inside `per_shard`: whether `ok` holds on every shard."""
-        return ok
-
-    def next_position(self, state: KVState) -> jax.Array:
-        """int32[B]: each sequence's next position."""
-        return state.next_position
-
-    def with_next_position(self, state: KVState, next_position: jax.Array) -> KVState:
-        return state.replace(next_position=next_position)
-
-
-ONE_DEVICE = OneDevice()
-
-
-def _allocate(state: KVState, num_new, *, C: int, placement: OneDevice):
-    """`allocate_for_append` with one rule kept across shards: a step appends everywhere or nowhere (a shard
-    that got its pages while another could not gives them back). Returns `(state, num_new or 0)`."""
-    new, ok = allocate_for_append(state, num_new, C)
-    if placement.sharded:
-        ok = placement.all_shards(ok)
-        new = new.replace(**{f: jnp.where(ok, getattr(new, f), getattr(state, f)) for f in _ALLOCATION_FIELDS})
-    return new, jnp.where(ok, num_new, 0)
-
-
 # ---------------------------------------------------------------------------------------------- steps
 
 
@@ -245,21 +186,18 @@ def _allocate(state: KVState, num_new, *, C: int, placement: OneDevice):
     jax.jit, static_argnames=("cfg", "dtype", "policy", "placement", "observe"),
     donate_argnames=("state", "last_queries"),
 )
-def append_step(
+def append_chunk(
     params, state: KVState, last_queries, tokens, num_new, last_logits, policy_params=None, *, cfg: ModelConfig,
     dtype, policy: Policy, placement: OneDevice = ONE_DEVICE, observe: Callable | None = None, observed=None,
 ):
-    """Append `tokens int32[B, C]` (the first `num_new int32[B]` of each row are real) to every layer and
-    attend. `params` is the model's parameter tree, `last_queries` the prefill's carry of last queries
-    (`new_last_queries`, or None), `last_logits f32[B, V]` the logits to keep for rows with nothing new,
-    `policy_params` the arrays of the compressor's chunk schedule (`compressor.chunks.params`, Locret's
-    heads) in prefill, else None. `placement`: where the state lives (`OneDevice`, or a mesh's stacked
-    state, `kvjax.distributed.MeshPlacement`).
-
-    One token per row with no carry of last queries is a decode step (`kvjax.engine.decode.decode_forward`:
-    the policy's page selection and decode-time eviction apply); anything else a prefill chunk
-    (`prefill_forward`). Returns the state, the carry of last queries and logits `f32[B, V]` at each row's
-    last real token.
+    """A prefill chunk: append `tokens int32[B, C]` (the first `num_new int32[B]` of each row are real) to
+    every layer and attend (`prefill_forward`). `params` is the model's parameter tree, `last_queries` the
+    prefill's carry of last queries (`new_last_queries`, or None), `last_logits f32[B, V]` the logits to
+    keep for rows with nothing new, `policy_params` the arrays of the compressor's chunk schedule
+    (`compressor.chunks.params`, Locret's heads), else None. `placement`: where the state lives
+    (`OneDevice`, or a mesh's stacked state, `kvjax.distributed.MeshPlacement`). A decode step, where the
+    policy's page selection and decode-time eviction apply, is `kvjax.engine.decode.append_token`. Returns
+    the state, the carry of last queries and logits `f32[B, V]` at each row's last real token.
 
     `observe(layer, inputs, state, observed) -> observed` (one device) sees each layer's `AttentionInputs`
     and its state after the append, and updates the caller's carry `observed` (arrays with a leading `[L]`
@@ -267,24 +205,17 @@ def append_step(
     record their features and score the answer this way, through the same step as generation.
     """
     C = tokens.shape[1]
-    allocate = functools.partial(_allocate, C=C, placement=placement)
+    allocate = functools.partial(allocate_everywhere, C=C, placement=placement)
     state, num_new = placement.per_shard(allocate, ("state", "b"), ("state", "b"))(state, num_new)
     start = placement.next_position(state)  # int32[B]: each row's first new position
     next_position = start + num_new
-    segments = layer_segments(policy, state, cfg.num_layers, cfg.windows)
-    rope = rope_frequencies(cfg, state.long_rope)
+    plans = chunk_plans(policy, layer_segments(policy, state, cfg.num_layers, cfg.windows), cfg.windows)
     positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
-    if C == 1 and last_queries is None and observe is None:
-        plans = decode_plans(policy, segments, cfg.windows)
-        state, logits = decode_forward(params, state, tokens, positions, num_new, next_position, plans, cfg=cfg,
-                                       dtype=dtype, policy=policy, placement=placement, rope=rope)
-    else:
-        plans = chunk_plans(policy, segments, cfg.windows)
-        state, last_queries, logits, observed = prefill_forward(
-            params, state, tokens, positions, num_new, next_position, last_queries, plans, cfg=cfg, dtype=dtype,
-            policy=policy, placement=placement, rope=rope, policy_params=policy_params, observe=observe,
-            observed=observed,
-        )
+    state, last_queries, logits, observed = prefill_forward(
+        params, state, tokens, positions, num_new, next_position, last_queries, plans, cfg=cfg, dtype=dtype,
+        policy=policy, placement=placement, rope=rope_frequencies(cfg, state.long_rope), policy_params=policy_params,
+        observe=observe, observed=observed,
+    )
     logits = jnp.where((num_new > 0)[:, None], logits, last_logits)
     state = placement.with_next_position(state, next_position)
     return (state, last_queries, logits) if observe is None else (state, last_queries, logits, observed)
@@ -339,7 +270,7 @@ def compress_step(
     bound each layer's pages to `read_pages`. `last_queries` is the prefill's carry (`new_last_queries`, or
     None); `final bool[B]` (per-chunk compression): whether this was each sequence's last prefill chunk. The
     policy decides on each layer's whole view; the pages are compacted where they live (`placement`, as in
-    `append_step`)."""
+    `append_chunk`)."""
     compressor = policy.compressor
     next_position = placement.next_position(state)
     view_parts = placement.per_shard(slot_fields, ("state", ""), {name: VIEW_LAYOUTS[name] for name in SLOT_FIELDS})
@@ -372,7 +303,8 @@ class StepBackend(NamedTuple):
     loops of `kvjax.engine.generation` are written once against it."""
 
     new_state: Callable[..., KVState]  # (cfg, B, capacity, page_size, num_pages, dtype, long_rope, read_pages)
-    append_step: Callable  # `append_step`'s signature
+    append_chunk: Callable  # `append_chunk`'s signature (a prefill chunk)
+    append_token: Callable  # `kvjax.engine.decode.append_token`'s signature (a decode step)
     compress_step: Callable  # `compress_step`'s signature
     overflow_error: Callable[[KVState], Exception | None]
     put: Callable[[Any], jax.Array]  # a host array with a leading batch axis -> a device array
@@ -386,29 +318,25 @@ def local_state(cfg, batch, capacity, page_size, num_pages, dtype, long_rope, re
     return state.replace(read_pages=read_pages)
 
 
-LOCAL_BACKEND = StepBackend(local_state, append_step, compress_step, overflow_error, jnp.asarray)
+LOCAL_BACKEND = StepBackend(local_state, append_chunk, append_token, compress_step, overflow_error, jnp.asarray)
 
 
 __all__ = [
     "LOCAL_BACKEND",
     "ChunkPlan",
-    "ONE_DEVICE",
-    "OneDevice",
     "SLOT_FIELDS",
     "VIEW_LAYOUTS",
     "StepBackend",
     "append_and_attend",
     "append_and_attend_sliding",
-    "append_step",
+    "append_chunk",
     "chunk_plans",
     "compress_segments",
     "compress_step",
     "compressed_layer",
     "keep_last",
-    "layer_segments",
     "local_state",
     "new_last_queries",
-    "page_view",
     "prefill_forward",
     "prefill_layer",
     "prompt_view",

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvjax.cache.attention import attention_max
 from kvjax.cache.state import gather_layer, init_state
-from kvjax.engine.step import append_step
+from kvjax.engine.step import append_chunk
 from kvjax.models.config import ModelConfig
 from kvjax.models.rope import uses_long_factors
 from kvjax.policies import FullPolicy
@@ -44,11 +44,11 @@ class Targets(NamedTuple):
 
 def _chunk(params, state, tokens, num_new, out, *, cfg: ModelConfig, dtype, on_layer):
     """Append `tokens int32[B, C]` (the first num_new[b] real) to every layer and attend, with the step every
-    prefill runs (`kvjax.engine.step.append_step`, the full cache); `out = on_layer(layer, inputs, state,
+    prefill runs (`kvjax.engine.step.append_chunk`, the full cache); `out = on_layer(layer, inputs, state,
     out)` sees each layer after its append and writes what it records into `out` (arrays with a leading
     `[L]` axis). Returns `(state, out)`."""
     logits = jnp.zeros((tokens.shape[0], cfg.vocab_size), jnp.float32)
-    state, _, _, out = append_step(params, state, None, tokens, num_new, logits, cfg=cfg, dtype=dtype,
+    state, _, _, out = append_chunk(params, state, None, tokens, num_new, logits, cfg=cfg, dtype=dtype,
                                    policy=FULL, observe=on_layer, observed=out)
     return state, out
 

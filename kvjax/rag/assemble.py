@@ -16,7 +16,8 @@ import numpy as np
 from kvjax.cache.state import KVState
 from kvjax.models.config import ModelConfig
 from kvjax.models.loading import Model
-from kvjax.engine.generation import as_token_row, bucketed
+from kvjax.engine.api import as_token_row
+from kvjax.engine.generation import bucketed
 from kvjax.rag.cache_state import kv_from_state, state_from_kv
 from kvjax.rag.rope_shift import check_shiftable, rotate_keys, shift_keys
 from kvjax.rag.store import ChunkKV, ChunkStore, check_fingerprint, model_fingerprint

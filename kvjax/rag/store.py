@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.state import KVState
-from kvjax.engine.generation import as_token_row
+from kvjax.engine.api import as_token_row
 from kvjax.models.loading import Model
 from kvjax.rag.cache_state import kv_from_state, state_from_kv
 from kvjax.rag.encode import encode_kv

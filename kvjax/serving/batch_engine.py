@@ -16,12 +16,11 @@ import numpy as np
 
 from kvjax.engine.decode import decode_plans
 from kvjax.engine.decode_loop import decode_steps
+from kvjax.engine.api import as_token_lists, policy_or_full
 from kvjax.engine.generation import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_STEPS_PER_DISPATCH,
-    as_token_lists,
     feed_tokens,
-    policy_or_full,
     PrefillPlan,
     prefill_row_steps,
 )
@@ -37,7 +36,8 @@ from kvjax.serving.memory import MemorySample, sample_memory
 from kvjax.serving.prefix_states import PrefixStates, chunk_boundaries
 from kvjax.engine.sampling import sample_first_tokens, validate_sampling
 from kvjax.cache.state import CacheCapacityError, KVState, pages_for
-from kvjax.engine.step import LOCAL_BACKEND, StepBackend, layer_segments
+from kvjax.engine.decode import layer_segments
+from kvjax.engine.step import LOCAL_BACKEND, StepBackend
 
 
 @dataclass(eq=False)
@@ -599,7 +599,7 @@ class BatchEngine:
         done = jnp.asarray(limit <= 0)
         run = decode_steps(
             self.model.params, batch.state, batch.logits, jnp.asarray(batch.pending), batch.keys, done, batch.eos,
-            jnp.asarray(limit), step=self.backend.append_step, steps=self.steps, cfg=self.model.cfg,
+            jnp.asarray(limit), step=self.backend.append_token, steps=self.steps, cfg=self.model.cfg,
             dtype=self.model.dtype, policy=batch.policy, temperature=batch.temperature, top_k=batch.top_k,
             top_p=batch.top_p,
         )

@@ -19,7 +19,7 @@ _registered = False
 
 
 class Compiles:
-    """Programs built while the block was open, by jitted function name (`jit(append_step)` -> `append_step`);
+    """Programs built while the block was open, by jitted function name (`jit(append_chunk)` -> `append_chunk`);
     `backend` counts the ones the backend compiled (not read from the persistent cache)."""
 
     def __init__(self):
