@@ -126,7 +126,7 @@ def score_calls(run: DecodeRun) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from kvjax.engine.step import page_view
+    from kvjax.engine.decode import page_view
 
     policy, cfg = run.policy, run.model.cfg
     q = jax.random.normal(jax.random.PRNGKey(0), (run.batch, cfg.num_heads, cfg.head_dim), jnp.float32)

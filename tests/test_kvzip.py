@@ -12,7 +12,7 @@ import kvjax
 from kvjax.cache.compaction import kept_positions
 from kvjax.engine.api import dense_forward
 from kvjax.engine.reconstruction import instruction_ids, repeat_feeds
-from kvjax.engine.step import prompt_view
+from kvjax.engine.decode import prompt_view
 from kvjax.eval.lib.crosscheck import VENV
 
 PYTHON = os.environ.get("KVPRESS_PYTHON", os.path.join(os.path.dirname(__file__), "..", VENV, "bin", "python"))

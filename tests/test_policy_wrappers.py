@@ -12,7 +12,7 @@ from kvjax.policies import AdaKV
 from kvjax.policies.options import parse_policy_options
 from kvjax.policies.page_reads import PageReads, counting
 from kvjax.policies.quest_adaptive import selected_page_counts
-from kvjax.engine.step import page_view
+from kvjax.engine.decode import page_view
 from policy_reference import ada_budgets, assert_top_set, capture_qk, h2o_scores, snapkv_scores, tova_scores
 from test_state import check_invariants
 

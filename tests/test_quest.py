@@ -8,7 +8,7 @@ import pytest
 import kvjax
 from conftest import random_tokens
 from kvjax.policies import Compose
-from kvjax.engine.step import page_view
+from kvjax.engine.decode import page_view
 from test_state import check_invariants
 
 

@@ -339,6 +339,5 @@ __all__ = [
     "new_last_queries",
     "prefill_forward",
     "prefill_layer",
-    "prompt_view",
     "scan_layers",
 ]
