@@ -5,6 +5,7 @@ Notes: docs/modules.md (`kvjax/cache/state.py`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -177,6 +178,14 @@ def init_state(
         # around every write. Held as uint16 bit patterns, the pool is written by integer scatters and read
         # through bitcasts of gathered blocks; the metadata is float32, exact for bfloat16 keys.
         stored, meta_dtype = BFLOAT16_BITS, jnp.float32
+    return _empty_state(N, page_size, D, L, batch, H, max_pages, jnp.dtype(stored), jnp.dtype(meta_dtype), quantized,
+                        long_rope)
+
+
+@functools.partial(jax.jit, static_argnums=tuple(range(11)))
+def _empty_state(N, page_size, D, L, batch, H, max_pages, stored, meta_dtype, quantized, long_rope) -> KVState:
+    """`init_state`'s arrays, made by one program (one compile, or one read of the compilation cache, rather
+    than one per array)."""
     return KVState(
         k_pages=jnp.zeros((N, page_size, D), stored),
         v_pages=jnp.zeros((N, page_size, D), stored),
