@@ -21,7 +21,7 @@ from kvjax.cache.rows import insert_row
 from kvjax.engine.sampling import sample_first_tokens, validate_sampling
 from kvjax.cache.state import CacheCapacityError, KVState, pages_for
 from kvjax.engine.reconstruction import score_by_reconstruction
-from kvjax.engine.step import LOCAL_BACKEND, StepBackend, compressed_layer, new_last_queries
+from kvjax.engine.step import LOCAL_BACKEND, StepBackend, compressor_acts, new_last_queries
 
 DEFAULT_CHUNK_SIZE = 512
 DEFAULT_STEPS_PER_DISPATCH = 16  # decode steps per device call in generate (kvjax.engine.decode_loop)
@@ -162,7 +162,7 @@ def prefill_chunk_steps(
     if per_chunk:
         full = pages_for(capacity, page_size)
         bounded = min(full, pages_for(bucketed(slots_needed), page_size))
-        read_bound = tuple(bounded if compressed_layer(policy, l, cfg.windows) else full for l in range(cfg.num_layers))
+        read_bound = tuple(bounded if compressor_acts(policy, l, cfg.windows) else full for l in range(cfg.num_layers))
         num_pages = B * cfg.num_kv_heads * sum(read_bound)
     state = backend.new_state(
         cfg, B, capacity, page_size, num_pages, model.cache_dtype, uses_long_factors(cfg, plan.declared_length), read_bound
@@ -234,7 +234,7 @@ def compress_prefilled(
     grow = 1 if policy.evicts_while_decoding else reserve_tokens
     bounded = min(state.max_pages, pages_for(bucketed(keep_bound + grow), state.page_size))
     read_pages = tuple(
-        bounded if compressed_layer(policy, l, cfg.windows) else state.max_pages for l in range(cfg.num_layers)
+        bounded if compressor_acts(policy, l, cfg.windows) else state.max_pages for l in range(cfg.num_layers)
     )
     return backend.compress_step(
         state, last_queries, num_layers=cfg.num_layers, policy=policy, keep_bound=keep_bound, read_pages=read_pages,

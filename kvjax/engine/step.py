@@ -221,16 +221,16 @@ def append_chunk(
     return (state, last_queries, logits) if observe is None else (state, last_queries, logits, observed)
 
 
-def compressed_layer(policy: Policy, layer: int, windows: tuple = ()) -> bool:
+def compressor_acts(policy: Policy, layer: int, windows: tuple = ()) -> bool:
     """Whether the policy compresses `layer`: one its compressor acts in, outside a sliding window (`windows`,
     the model's `ModelConfig.windows`), whose own eviction rules there."""
     return layer_roles(policy, layer).compress and not (windows and windows[layer])
 
 
 def compress_segments(policy: Policy, state: KVState, num_layers: int, windows: tuple = ()) -> tuple[tuple[int, int], ...]:
-    """The runs of `layer_segments` whose layers the policy compresses (`compressed_layer`)."""
+    """The runs of `layer_segments` whose layers the policy compresses (`compressor_acts`)."""
     return tuple(
-        (a, b) for a, b in layer_segments(policy, state, num_layers, windows) if compressed_layer(policy, a, windows)
+        (a, b) for a, b in layer_segments(policy, state, num_layers, windows) if compressor_acts(policy, a, windows)
     )
 
 
@@ -333,7 +333,7 @@ __all__ = [
     "chunk_plans",
     "compress_segments",
     "compress_step",
-    "compressed_layer",
+    "compressor_acts",
     "keep_last",
     "local_state",
     "new_last_queries",

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvjax.engine.step import compressed_layer
+from kvjax.engine.step import compressor_acts
 from kvjax.jenga.allocator import JengaAllocator, PrefixHit
 from kvjax.jenga.layout import choose_large_page_bytes
 from kvjax.jenga.specs import BudgetedSpec, FullAttentionSpec, GroupSpec, RingWindowSpec
@@ -33,7 +33,7 @@ def layer_groups(cfg: ModelConfig, policy: Policy, heads: int, page_size: int, d
         window = cfg.windows[layer] if cfg.windows else 0
         if window:
             windows.setdefault(window, []).append(layer)
-        elif rewrites and compressed_layer(policy, layer, cfg.windows):
+        elif rewrites and compressor_acts(policy, layer, cfg.windows):
             own.append(layer)
         else:
             full.append(layer)
