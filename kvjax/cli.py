@@ -150,9 +150,9 @@ def cmd_generate_from_state(args) -> int:
         from kvjax import distributed as dist
 
         model, saved = dist.load_state_sharded(args.state, model, mesh=dist.mesh_from_text(args.mesh),
-                                               extra_tokens=args.extra_tokens, pad_rows=True, **data)
-    else:
-        saved = kvjax.load_state(args.state, model, extra_tokens=args.extra_tokens, **data)
+                                               extra_tokens=args.extra_tokens, pad_rows=True, once=True, **data)
+    else:  # one question: decode takes the loaded buffers over instead of copying them
+        saved = kvjax.load_state(args.state, model, extra_tokens=args.extra_tokens, once=True, **data)
     loaded = time.perf_counter()
     question = "" if args.prompt is None and args.prompt_file is None else _read_prompt(args)
     ids = model.tokenizer(question, add_special_tokens=False)["input_ids"] if question else []

@@ -4,6 +4,7 @@ they read it and free it after; a decode-time evictor's layers stay private."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -96,6 +97,8 @@ def test_concurrent_questions_read_one_copy_of_the_document(tiny, tmp_path):
     assert list(engine.cache.keys()) == [key]  # the document pinned while the rows read it: the filler went
     done = engine.run()
     assert [done[rid].tokens for rid in ids] == alone == expected
+    kept = engine.cache.get(key)  # the LRU's state, read by both rows: still whole and as loaded
+    assert not kept.once and all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(kept.state), jax.tree.leaves(saved.state)))
     engine.cache.put(filler, None, engine.cache.max_bytes)
     assert list(engine.cache.keys()) == [filler]  # unpinned once both finished
     assert engine.leaked_pages == 0 and batch.pool.live_pages() == 0 and not batch.documents

@@ -12,7 +12,7 @@ import pytest
 
 import kvjax
 from kvjax.engine.saved_state import (
-    HEADER_FILE, TENSOR_FILE, SavedStateError, generate_from_state, load_state, save_state,
+    HEADER_FILE, TENSOR_FILE, SavedStateError, generate_from_state, load_state, question_fed, save_state,
 )
 from policy_cases import QUICK_CASES, matrix_cases, quick_params
 
@@ -70,15 +70,29 @@ def test_round_trip_keeps_int8_and_bfloat16_pages(tiny, kv_dtype, name, tmp_path
     np.testing.assert_array_equal(generate_from_state(model, saved, QUESTION, NEW), _in_memory(model, policy))
 
 
-def test_saved_state_answers_many_questions_and_stays_unchanged(tiny, tmp_path):
+def test_saved_state_answers_many_questions_unchanged_or_one_in_place(tiny, tmp_path):
     policy = kvjax.make_policy("quest", token_budget=32, dense_layers=1)
     _prefill_and_save(tiny, policy, tmp_path)
+    on_disk = {name: (tmp_path / name).read_bytes() for name in (HEADER_FILE, TENSOR_FILE)}
     saved = load_state(tmp_path, tiny)
     first = generate_from_state(tiny, saved, QUESTION, NEW)
     generate_from_state(tiny, saved, [9, 9, 9], NEW)
     np.testing.assert_array_equal(generate_from_state(tiny, saved, QUESTION, NEW), first)
     # no question: the first token comes from the saved prefill logits
     np.testing.assert_array_equal(generate_from_state(tiny, saved, [], 1), kvjax.generate(tiny, [DOC], 1, policy, page_size=PAGE))
+
+    # loaded for one question (`kvjax generate --state`): decode takes the loaded pool over, no copy
+    once = load_state(tmp_path, tiny, once=True)
+    pool = once.state.k_pages.unsafe_buffer_pointer()
+    fed, _ = question_fed(tiny, once, QUESTION, NEW)
+    if jax.default_backend() == "cpu":  # elsewhere the host's pool is copied onto the device by device_put
+        assert fed.k_pages.unsafe_buffer_pointer() == pool  # donated in place: read into the device's own memory
+    with pytest.raises(ValueError, match="loaded with once=True and has answered its question"):
+        generate_from_state(tiny, once, QUESTION, NEW)
+    np.testing.assert_array_equal(generate_from_state(tiny, load_state(tmp_path, tiny, once=True), QUESTION, NEW), first)
+    # the state kept in memory answers as before, and the files are untouched
+    np.testing.assert_array_equal(generate_from_state(tiny, saved, QUESTION, NEW), first)
+    assert {name: (tmp_path / name).read_bytes() for name in on_disk} == on_disk
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@ Notes: docs/modules.md (`kvjax/engine/saved_state.py`)."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -23,9 +25,12 @@ from kvjax.engine.generation import continue_rows, feed_tokens
 from kvjax.engine.step import LOCAL_BACKEND, StepBackend
 from kvjax.models.loading import Model
 from kvjax.policies import POLICY_REGISTRY, Policy, layer_roles
-from kvjax.util.tensor_file import TensorFileError, aligned_empty, file_crc32, read_all, read_small, tensor_index
+from kvjax.util.tensor_file import (
+    CHECKSUMS, TensorFileError, aligned_empty, file_checksum, read_all, read_small, tensor_index,
+)
 
-FORMAT, VERSION = "kvjax.saved_state", 1
+FORMAT, VERSION = "kvjax.saved_state", 2
+READS = (1, 2)  # versions read: 2 is checked by xxh3-64, which a reader of 1 would not check
 HEADER_FILE, TENSOR_FILE = "header.json", "state.safetensors"
 # per-page fields (the scales only exist for int8 pages) and per-sequence fields, as stored
 PAGE_FIELDS = ("k_pages", "v_pages", "kmin", "kmax", "slot_pos", "slot_score", "k_scale", "v_scale")
@@ -43,7 +48,8 @@ class SavedState(NamedTuple):
     per shard), the `policy` that continues it, the `logits f32[B, V]` at each prompt's last token (None if not
     saved), the header and the `backend` whose steps continue it (one device, or a mesh's). Loaded with
     `pad_rows` onto a data axis B does not divide, `state` and `logits` hold B' > B rows, the extra ones copies
-    of the first sequence (`held_rows`), which `question_fed` feeds and `generate_from_state` drops."""
+    of the first sequence (`held_rows`), which `question_fed` feeds and `generate_from_state` drops. `once`
+    (`load_state(once=True)`): the state answers one question, decode taking over its buffers (no copy)."""
 
     state: KVState
     policy: Policy
@@ -51,6 +57,7 @@ class SavedState(NamedTuple):
     room: int
     header: dict
     backend: StepBackend = LOCAL_BACKEND
+    once: bool = False
 
 
 # ------------------------------------------------------------------------------------------ identities
@@ -79,16 +86,28 @@ def model_identity(model: Model, name: str | None = None) -> dict:
         return dict(cached[1], name=name)
     config = json.dumps(_set_fields(model.cfg), sort_keys=True, default=str).encode()
     leaves = jax.tree_util.tree_flatten_with_path(model.params)[0]
-    mass = sum(float(np.abs(np.asarray(leaf, np.float32)).sum(dtype=np.float64)) for _, leaf in leaves)
+    mass = sum(_magnitude(leaf) for _, leaf in leaves)
     dtypes = sorted({jnp.dtype(leaf.dtype).name for _, leaf in leaves})
     embedding = [leaf for path, leaf in leaves if "embed" in jax.tree_util.keystr(path)]
-    sample = np.asarray(jnp.ravel(embedding[0])[:64].astype(jnp.float32)).tobytes() if embedding else b""
+    sample = np.asarray(embedding[0]).reshape(-1)[:64].astype(np.float32).tobytes() if embedding else b""
     weights = f"{sum(leaf.size for _, leaf in leaves)}|{dtypes}|{mass:.4e}".encode() + sample
     identity = {"name": name, "config_hash": hashlib.blake2b(config, digest_size=16).hexdigest(),
                 "weights_fingerprint": hashlib.blake2b(weights, digest_size=16).hexdigest(),
                 "dtype": jnp.dtype(model.dtype).name}
     model.__dict__["_saved_state_identity"] = (model.params, identity)
     return identity
+
+
+def _magnitude(leaf, block: int = 1 << 18) -> float:
+    """The sum of `|x|` over a parameter array, in float64, taken a block at a time (no temporary as large as
+    the array: on a fresh process, the first load's identity costs a read of the weights, no more)."""
+    flat = np.asarray(leaf).reshape(-1)
+    buffer = np.empty(min(block, flat.size), np.float32)
+    total = 0.0
+    for at in range(0, flat.size, block):
+        part = buffer[: min(block, flat.size - at)]
+        total += float(np.abs(flat[at : at + part.size], out=part).sum(dtype=np.float64))
+    return total
 
 
 def policy_spec(policy: Policy) -> dict:
@@ -197,7 +216,7 @@ def save_state(state: KVState, path: str | os.PathLike, *, model: Model, policy:
     try:
         save_file(tensors, os.path.join(staging, TENSOR_FILE))
         written = os.path.join(staging, TENSOR_FILE)
-        header["checksum"] = {"crc32": file_crc32(written), "bytes": os.path.getsize(written)}
+        header["checksum"] = {CHECKSUMS[0]: file_checksum(written), "bytes": os.path.getsize(written)}
         with open(os.path.join(staging, HEADER_FILE), "w") as f:
             json.dump(header, f, indent=1)
         if os.path.isdir(path):
@@ -268,14 +287,6 @@ def whole_state(state: KVState) -> KVState:
         overflow=failed[0] if len(failed) else np.zeros(3, np.int32), key_sketch=sketch)
 
 
-def _checksum(file: str) -> dict:
-    digest = hashlib.blake2b(digest_size=16)
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return {"blake2b": digest.hexdigest(), "bytes": os.path.getsize(file)}
-
-
 # ------------------------------------------------------------------------------------------ load
 
 
@@ -291,8 +302,9 @@ def read_header(path: str | os.PathLike) -> dict:
         raise SavedStateError(f"{file}: corrupt header ({error})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise SavedStateError(f"{file}: not a kvjax saved state (format {header.get('format') if isinstance(header, dict) else None!r})")
-    if header.get("version") != VERSION:
-        raise SavedStateError(f"{file}: format version {header.get('version')!r}, this kvjax reads version {VERSION}")
+    if header.get("version") not in READS:
+        raise SavedStateError(f"{file}: format version {header.get('version')!r}, this kvjax reads versions "
+                              f"{', '.join(map(str, READS))}")
     return header
 
 
@@ -331,7 +343,7 @@ def continuing_policy(path, header: dict, policy: Policy | None, **policy_data) 
 
 def load_state(path: str | os.PathLike, model: Model, *, policy: Policy | None = None, extra_tokens: int | None = None,
                page_size: int | None = None, page_dtype=None, backend: StepBackend | None = None,
-               pad_rows: bool = False, **policy_data: Any) -> SavedState:
+               pad_rows: bool = False, once: bool = False, **policy_data: Any) -> SavedState:
     """Load the state `save_state` wrote into directory `path`, for `model`, with a pool of its pages plus the
     pages `extra_tokens` more tokens per sequence need (default: the room the saved state had), placed where
     `backend`'s steps hold a state: one device (default), or a mesh (`kvjax.distributed.load_state_sharded`:
@@ -339,7 +351,10 @@ def load_state(path: str | os.PathLike, model: Model, *, policy: Policy | None =
     (`SavedStateError`): a missing, truncated or corrupt file, another model, another `page_size` or
     `page_dtype` than given, a `policy` other than the saved one; a read bound that `extra_tokens` outgrows is
     widened. On a mesh whose data axis does not divide the saved batch, `pad_rows` pads it with copies of the
-    first sequence (refused otherwise). Returns a `SavedState`."""
+    first sequence (refused otherwise). `once`: the state answers one question (`kvjax generate --state`):
+    `question_fed` and `generate_from_state` hand its buffers to decode instead of copying them (on XLA:CPU
+    the pool is read straight into memory the device owns, which decode can take over), and refuse a second
+    question by name; states kept to answer many (the server's) are loaded without it. Returns a `SavedState`."""
     path = os.fspath(path)
     header = read_header(path)
     file = os.path.join(path, TENSOR_FILE)
@@ -349,8 +364,8 @@ def load_state(path: str | os.PathLike, model: Model, *, policy: Policy | None =
         raise SavedStateError(f"{path}: {TENSOR_FILE} is missing")
     if size != expected["bytes"]:
         raise SavedStateError(f"{file}: truncated or resized ({size} bytes, saved {expected['bytes']})")
-    if "blake2b" in expected and _checksum(file)["blake2b"] != expected["blake2b"]:  # states saved before CRC-32
-        raise SavedStateError(f"{file}: corrupt (checksum {_checksum(file)['blake2b']}, saved {expected['blake2b']})")
+    if not any(kind in expected for kind in CHECKSUMS):
+        raise SavedStateError(f"{file}: its header names no checksum this kvjax knows ({sorted(expected)})")
     check_header(path, header, model, page_size, page_dtype)
     policy = continuing_policy(path, header, policy, **policy_data)
     room = header["room"] if extra_tokens is None else extra_tokens
@@ -358,14 +373,40 @@ def load_state(path: str | os.PathLike, model: Model, *, policy: Policy | None =
         raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
     backend = backend or LOCAL_BACKEND
     placement = backend.placement  # a sharded one (`kvjax.distributed.MeshPlacement`) splits and places shards
+    owned = once and not placement.sharded and jax.default_backend() == "cpu"
     try:
-        shards, logits = _read_shards(file, header, model.cfg, room, policy,
-                                      placement.state_shards() if placement.sharded else (1, 1), expected, pad_rows)
+        shards, logits, pool = _read_shards(file, header, model.cfg, room, policy,
+                                            placement.state_shards() if placement.sharded else (1, 1), expected,
+                                            pad_rows, owned)
     except TensorFileError as error:
         raise SavedStateError(str(error)) from None
-    # on one device the host arrays become the device's as they are (XLA:CPU shares their aligned memory)
-    state = placement.place_state(shards) if placement.sharded else jax.device_put(shards[0][0])
-    return SavedState(state, policy, None if logits is None else backend.put(logits), room, header, backend)
+    if placement.sharded:
+        state = placement.place_state(shards)
+    else:  # host arrays become the device's as they are (XLA:CPU shares their aligned memory); an owned pool is
+        host = shards[0][0]  # the device's already
+        if pool is not None:
+            codes = pool.pop("key_sketch.codes", None)
+            host = host.replace(**pool, key_sketch=None if codes is None else host.key_sketch._replace(codes=codes))
+        state = jax.device_put(host)
+    return SavedState(state, policy, None if logits is None else backend.put(logits), room, header, backend, once)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _empty_pool(layout: tuple[tuple[str, tuple[int, ...], np.dtype], ...]) -> dict:
+    """`{name: an array of shape and dtype}` holding empty pages (`EMPTY_PAGE`)."""
+    return {name: jnp.full(shape, EMPTY_PAGE.get(name, 0), dtype) for name, shape, dtype in layout}
+
+
+def _owned_pool(layout: tuple[tuple[str, tuple[int, ...], np.dtype], ...]) -> tuple[dict, dict]:
+    """`(arrays, views)`: pool arrays XLA:CPU allocated (empty pages) and writable numpy views of their memory,
+    to read the file into before anything else sees them. Decode donates such arrays in place; host memory
+    handed to XLA (`jax.device_put`) stays the host's, and a step donated it copies it first."""
+    arrays = jax.block_until_ready(_empty_pool(layout))
+    if len({x.unsafe_buffer_pointer() for x in arrays.values()}) != len(arrays):  # XLA gives each output its own
+        raise RuntimeError("XLA returned one buffer for two pool fields: cannot read the file into them")
+    views = {name: np.frombuffer((ctypes.c_byte * x.nbytes).from_address(x.unsafe_buffer_pointer()),
+                                 x.dtype).reshape(x.shape) for name, x in arrays.items()}
+    return arrays, views
 
 
 class _Shard(NamedTuple):
@@ -409,19 +450,22 @@ def _padded(small: dict, pad: int) -> dict:
 
 
 def _read_shards(file: str, header: dict, cfg, room: int, policy: Policy, shards: tuple[int, int],
-                 expected: dict, pad_rows: bool = False) -> tuple[list[list[KVState]], np.ndarray | None]:
+                 expected: dict, pad_rows: bool = False, owned: bool = False,
+                 ) -> tuple[list[list[KVState]], np.ndarray | None, dict | None]:
     """The host states (numpy) of each of `shards = (Sd, Sm)` shards, `[d][m]`: rows split over Sd, kv heads
-    over Sm, each on a pool of its own pages plus its room, all pools one size; and the saved `logits f32[B, V]`
-    or None. The file is read once, the pool tensors of one whole state straight into its pool; its CRC-32 is
-    checked before anything is returned."""
+    over Sm, each on a pool of its own pages plus its room, all pools one size; the saved `logits f32[B, V]`
+    or None; and with `owned` (one whole state) the device arrays its pool fields view (`_owned_pool`), else
+    None. The file is read once, the pool tensors of one whole state straight into its pool; its checksum
+    (`expected`'s kind) is checked before anything is returned."""
+    kind = next(kind for kind in CHECKSUMS if kind in expected)
     _, entries = tensor_index(file)
     small = read_small(file, entries, [name for name in entries if name not in POOL_TENSORS])
     L, B, H = small["lengths"].shape
     table, ps = small["page_table"], header["page_size"]
     if (table.min(initial=0) < -1 or table.max(initial=-1) >= header["pages"] or small["lengths"].min(initial=0) < 0
             or small["lengths"].max(initial=0) > header["table_width"] * ps):
-        crc = file_crc32(file)  # before sizing a pool by them: a damaged file, or a file not written by save_state
-        raise SavedStateError(f"{file}: corrupt (checksum CRC-32 {crc}, saved {expected.get('crc32')})" if crc != expected.get("crc32")
+        value = file_checksum(file, kind)  # before sizing a pool by them: a damaged file, or one not save_state's
+        raise SavedStateError(f"{file}: corrupt (checksum {kind} {value}, saved {expected[kind]})" if value != expected[kind]
                               else f"{file}: corrupt (page table or lengths out of range)")
     Sd, Sm = shards
     if (B % Sd and not pad_rows) or H % Sm:
@@ -438,13 +482,17 @@ def _read_shards(file: str, header: dict, cfg, room: int, policy: Policy, shards
     width = max(part.width for row in parts for part in row)  # one table width: the shards stack
     template = jax.eval_shape(lambda: init_state(local, b, width * ps, ps, N, jnp.dtype(header["page_dtype"]),
                                                  header["long_rope"]))
-    pools = [[{name: aligned_empty(getattr(template, name).shape, getattr(template, name).dtype) for name in PAGE_FIELDS
-               if getattr(template, name) is not None} for _ in range(Sm)] for _ in range(Sd)]
+    layout = [(name, getattr(template, name).shape, getattr(template, name).dtype) for name in PAGE_FIELDS
+              if getattr(template, name) is not None]
     if header["key_sketch"] is not None:
         codes = entries["key_sketch.codes"]
-        for row in pools:
-            for pool in row:
-                pool["key_sketch.codes"] = aligned_empty((N, *codes.shape[1:]), codes.dtype)
+        layout.append(("key_sketch.codes", (N, *codes.shape[1:]), codes.dtype))
+    device = None
+    if owned and whole:
+        device, views = _owned_pool(tuple(layout))
+        pools = [[views]]
+    else:
+        pools = [[{name: aligned_empty(shape, dtype) for name, shape, dtype in layout} for _ in range(Sm)] for _ in range(Sd)]
     used = header["pages"]
 
     def into(name: str, entry) -> np.ndarray | None:  # one whole state: its saved pool rows read in place
@@ -454,14 +502,14 @@ def _read_shards(file: str, header: dict, cfg, room: int, policy: Policy, shards
             return small.get(name)
         return target[:used].view(entry.dtype)
 
-    arrays, crc = read_all(file, entries, into)
-    if "crc32" in expected and crc != expected["crc32"]:
-        raise SavedStateError(f"{file}: corrupt (checksum CRC-32 {crc}, saved {expected['crc32']})")
+    arrays, value = read_all(file, entries, into, kind)
+    if value != expected[kind]:
+        raise SavedStateError(f"{file}: corrupt (checksum {kind} {value}, saved {expected[kind]})")
     states = [[None] * Sm for _ in range(Sd)]
     for d, m in np.ndindex(Sd, Sm):
         part, pool = parts[d][m], pools[d][m]
         states[d][m] = _assembled(header, part, pool, arrays, used if whole else part.pages.size, width, b, h)
-    return states, rows.get("logits")
+    return states, rows.get("logits"), device
 
 
 def _assembled(header: dict, part: _Shard, pool: dict, arrays: dict, used: int, width: int, b: int, h: int) -> KVState:
@@ -498,10 +546,17 @@ def question_fed(model: Model, saved: SavedState, question_ids: Sequence[int] | 
                  max_new_tokens: int = 0) -> tuple[KVState, jax.Array]:
     """`(state, logits f32[B, V])`: a copy of the saved state with `question_ids` (one token list for every
     sequence, or one per sequence) fed by decode, as `generate(..., decode_last=N)` feeds a prompt's last N
-    tokens. The saved state is not changed. Raises `CacheCapacityError` before any work when the question
-    and `max_new_tokens` more need more than the state's room."""
+    tokens. The saved state is not changed, unless loaded with `once`: then decode takes its buffers over (no
+    copy) and a second question on it is refused. Raises `CacheCapacityError` before any work when the
+    question and `max_new_tokens` more need more than the state's room."""
     rows = question_rows(model, saved, question_ids, max_new_tokens)
-    state = jax.tree.map(jnp.copy, saved.state)  # decode donates its state: the saved one serves many questions
+    if not saved.once:
+        state = jax.tree.map(jnp.copy, saved.state)  # decode donates its state: the saved one serves many questions
+    elif any(x.is_deleted() for x in jax.tree.leaves(saved.state) if isinstance(x, jax.Array)):
+        raise ValueError("this saved state was loaded with once=True and has answered its question (decode took "
+                         "over its buffers): load it again, or without once to ask it many")
+    else:
+        state = saved.state
     logits = saved.logits
     if logits is None:
         logits = saved.backend.put(np.zeros((len(rows), model.cfg.vocab_size), np.float32))
@@ -534,7 +589,8 @@ def question_rows(model: Model, saved: SavedState, question_ids: Sequence[int] |
 
 def generate_from_state(model: Model, saved: SavedState, question_ids: Sequence[int] | Sequence[Sequence[int]] = (),
                         max_new_tokens: int = 32, **sampling: Any):
-    """Feed `question_ids` to a copy of the saved state (`question_fed`), then sample up to `max_new_tokens`:
+    """Feed `question_ids` to a copy of the saved state (`question_fed`; with `once`, to the state itself), then
+    sample up to `max_new_tokens`:
     `int32[B, max_new_tokens]`, as `generate` returns (`sampling`: `continue_rows`'s options)."""
     state, logits = question_fed(model, saved, question_ids, max_new_tokens)
     no_tail = [np.zeros((0,), np.int32)] * held_rows(saved)

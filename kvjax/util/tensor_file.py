@@ -1,9 +1,10 @@
 """A safetensors file read in one pass: each tensor straight into the caller's array (a pool's first rows) while
-its CRC-32 is taken block by block, so a large saved state is copied once, from the page cache, and only once
-checked; host arrays aligned so that XLA:CPU takes them without a copy."""
+its checksum (xxh3-64; CRC-32 and BLAKE2b for older files) is taken block by block, so a large saved state is
+copied once, from the page cache, and only once checked; host arrays aligned so that XLA:CPU takes them as is."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -16,6 +17,33 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int
           "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
           "BOOL": np.bool_}
 BLOCK = 1 << 22  # bytes read (and checksummed while in cache) at a time
+CHECKSUMS = ("xxh3_64", "crc32", "blake2b")  # the kind written first; the others are read in older files
+
+
+class Checksum:
+    """A running checksum of `kind` (one of CHECKSUMS): `update(block)`, then `value()` (xxh3-64 and BLAKE2b
+    as hex strings, CRC-32 as an int, as headers hold them). xxh3 (the `xxhash` package) runs several times
+    faster than zlib's CRC-32 and BLAKE2b."""
+
+    def __init__(self, kind: str):
+        if kind not in CHECKSUMS:
+            raise ValueError(f"unknown checksum {kind!r} (known: {', '.join(CHECKSUMS)})")
+        self.kind, self.crc = kind, 0
+        if kind == "xxh3_64":
+            import xxhash
+
+            self.digest = xxhash.xxh3_64()
+        elif kind == "blake2b":
+            self.digest = hashlib.blake2b(digest_size=16)
+
+    def update(self, block) -> None:
+        if self.kind == "crc32":
+            self.crc = zlib.crc32(block, self.crc)
+        else:
+            self.digest.update(block)
+
+    def value(self) -> int | str:
+        return self.crc if self.kind == "crc32" else self.digest.hexdigest()
 
 
 class TensorFileError(ValueError):
@@ -65,14 +93,14 @@ def read_small(file: str, entries: dict[str, Entry], names) -> dict[str, np.ndar
 
 
 def read_all(file: str, entries: dict[str, Entry], into: Callable[[str, Entry], np.ndarray | None] = lambda *_: None,
-             ) -> tuple[dict[str, np.ndarray], int]:
+             checksum: str = CHECKSUMS[0]) -> tuple[dict[str, np.ndarray], int | str]:
     """Every tensor of the file, in file order, read into `into(name, entry)` (a C-contiguous array of the
     entry's dtype and shape, e.g. a view of a pool's first rows) or, where that gives None, a new array; with
-    the CRC-32 of all the file's bytes, taken block by block as they are read. Returns `(arrays, crc32)`."""
-    arrays, crc, position = {}, 0, 0
+    the `checksum` of all the file's bytes, taken block by block as they are read. Returns `(arrays, value)`."""
+    arrays, digest, position = {}, Checksum(checksum), 0
     with open(file, "rb", buffering=0) as f:
         def read(view: memoryview) -> None:
-            nonlocal crc, position
+            nonlocal position
             for at in range(0, len(view), BLOCK):
                 block, filled = view[at : at + BLOCK], 0
                 while filled < len(block):  # a raw read may return less than asked before the end
@@ -80,7 +108,7 @@ def read_all(file: str, entries: dict[str, Entry], into: Callable[[str, Entry], 
                     if not count:
                         raise TensorFileError(f"{file}: truncated (ends inside its data, at byte {position + filled})")
                     filled += count
-                crc = zlib.crc32(block, crc)
+                digest.update(block)
                 position += len(block)
 
         for name, entry in entries.items():
@@ -96,7 +124,7 @@ def read_all(file: str, entries: dict[str, Entry], into: Callable[[str, Entry], 
         rest = os.fstat(f.fileno()).st_size - position
         if rest:
             read(memoryview(bytearray(rest)))
-    return arrays, crc
+    return arrays, digest.value()
 
 
 def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
@@ -109,13 +137,14 @@ def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def file_crc32(file: str) -> int:
-    """CRC-32 of a whole file, as `read_all` takes it."""
-    crc = 0
+def file_checksum(file: str, checksum: str = CHECKSUMS[0]) -> int | str:
+    """The `checksum` of a whole file, as `read_all` takes it."""
+    digest = Checksum(checksum)
     with open(file, "rb") as f:
         for block in iter(lambda: f.read(BLOCK), b""):
-            crc = zlib.crc32(block, crc)
-    return crc
+            digest.update(block)
+    return digest.value()
 
 
-__all__ = ["Entry", "TensorFileError", "aligned_empty", "file_crc32", "read_all", "read_small", "tensor_index"]
+__all__ = ["CHECKSUMS", "Checksum", "Entry", "TensorFileError", "aligned_empty", "file_checksum", "read_all",
+           "read_small", "tensor_index"]
