@@ -2,10 +2,13 @@
 plus the question's decode) against prefilling the document again (`generate(..., decode_last=N)`).
 
 For each policy the document (Quest's passkey in real text, `--tokens` long with its question) is prefilled,
-compressed and saved once; then a fresh process (no compilation cache: cold) answers the question both ways,
-each twice: the first call compiles (cold), the second is what a warm server pays. Model loading is timed
-apart. The answers must be equal token for token. Sizes: the saved state's bytes on disk against the bytes
-of the uncompressed float32 cache of the same tokens (2 * layers * kv heads * tokens * head_dim * 4).
+compressed and saved once; then a fresh process answers the question both ways, each twice: the first call
+compiles (cold; its programs written to an empty compilation cache, as `kvjax generate --state` does on its
+first run), the second is what a warm process pays; then another fresh process answers once more, reading
+that cache (cold, cached: a user's later runs). Saved: `load_state(once=True)` + `generate_from_state`, as
+`kvjax generate --state` runs them (decode takes the loaded pool over). Model loading is timed apart. The
+answers must be equal token for token. Sizes: the saved state's bytes on disk against the bytes of the
+uncompressed float32 cache of the same tokens (2 * layers * kv heads * tokens * head_dim * 4).
 
     python -m eval.bench_saved_state --model smollm2-135m   # eval/results/saved_state/
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,7 +35,9 @@ POLICIES = {  # name -> (policy, options (BUDGET: a quarter of the document), pa
 def answer(args) -> dict:
     """The worker (a fresh process): time the question's answer from the saved state and from a prefill."""
     import kvjax
+    from kvjax.util.compilation_cache import enable_compilation_cache
 
+    enable_compilation_cache()  # $KVJAX_COMPILATION_CACHE: this run's own folder
     with open(os.path.join(args.work, "sample.json")) as f:
         sample = json.load(f)
     started = time.perf_counter()
@@ -41,7 +47,8 @@ def answer(args) -> dict:
     question, new = sample["question_ids"], sample["max_new_tokens"]
     if args.worker == "saved":
         def run():
-            saved = kvjax.load_state(args.state, model)
+            saved = kvjax.load_state(args.state, model, once=True)
+            out["load_s"].append(time.perf_counter() - start)
             return saved, kvjax.generate_from_state(model, saved, question, new)[0]
     else:
         from kvjax.engine.saved_state import policy_from_spec
@@ -51,7 +58,8 @@ def answer(args) -> dict:
         def run():
             return None, kvjax.generate(model, [sample["context_ids"] + question], new, policy,
                                         decode_last=len(question))[0]
-    for name in ("cold", "warm"):
+    out["load_s"] = []  # the saved state's loads (of the calls' times)
+    for name in ("cold", "warm")[: args.calls]:
         start = time.perf_counter()
         _, tokens = run()
         out[f"{name}_s"] = time.perf_counter() - start
@@ -61,13 +69,21 @@ def answer(args) -> dict:
 
 
 def in_fresh_process(args, worker: str, state: str, kv_dtype: str | None) -> dict:
-    command = [sys.executable, "-m", "kvjax.eval.bench_saved_state", "--worker", worker, "--state", state, "--work",
-               args.work, "--model", args.model] + (["--kv-dtype", kv_dtype] if kv_dtype else [])
-    env = dict(os.environ, KVJAX_COMPILATION_CACHE="off")  # cold means compiling
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
-    if result.returncode:
-        raise SystemExit(f"worker {worker} failed: {result.stderr[-2000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    """The worker's cold and warm calls in a fresh process whose compilation cache starts empty, then one call
+    in another reading that cache (`cold_cached_s`, `cached_tokens`)."""
+    cache = os.path.join(args.work, f"cache-{os.path.basename(state)}-{worker}")
+    shutil.rmtree(cache, ignore_errors=True)  # cold means compiling
+    runs = []
+    for calls in (2, 1):
+        command = [sys.executable, "-m", "kvjax.eval.bench_saved_state", "--worker", worker, "--state", state, "--work",
+                   args.work, "--model", args.model, "--calls", str(calls)] + (["--kv-dtype", kv_dtype] if kv_dtype else [])
+        result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, KVJAX_COMPILATION_CACHE=cache))
+        if result.returncode:
+            raise SystemExit(f"worker {worker} failed: {result.stderr[-2000:]}")
+        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    first, cached = runs
+    return {**first, "cold_cached_s": cached["cold_s"], "cold_cached_load_s": cached["load_s"],
+            "cached_tokens": cached["tokens"]}
 
 
 def disk_bytes(path: str) -> int:
@@ -75,21 +91,32 @@ def disk_bytes(path: str) -> int:
 
 
 def render(payload: dict) -> str:
+    # runs before the cached column (and `load_state(once=True)`) render as they did
+    cached = all("cold_cached_s" in run["saved"] for run in payload["runs"].values())
     rows = []
     for name, run in payload["runs"].items():
         saved, again = run["saved"], run["prefill"]
         rows.append([name, run["policy"]["name"], run["page_dtype"], f"{run['disk_bytes'] / 2**20:.1f}",
                      f"{run['disk_bytes'] / payload['full_float32_bytes']:.3f}",
                      f"{again['cold_s']:.1f} / {saved['cold_s']:.1f}", f"{again['cold_s'] / saved['cold_s']:.1f}x",
+                     *([f"{again['cold_cached_s']:.1f} / {saved['cold_cached_s']:.2f}",
+                        f"{again['cold_cached_s'] / saved['cold_cached_s']:.1f}x"] if cached else []),
                      f"{again['warm_s']:.2f} / {saved['warm_s']:.2f}", f"{again['warm_s'] / saved['warm_s']:.1f}x",
                      "yes" if run["answers_equal"] else "NO"])
-    return (markdown_table(["state", "policy", "page dtype", "on disk MiB", "of full f32", "cold s: prefill / saved",
-                            "cold speed-up", "warm s: prefill / saved", "warm speed-up", "answers equal"], rows)
+    columns = ["state", "policy", "page dtype", "on disk MiB", "of full f32", "cold s: prefill / saved", "cold speed-up",
+               *(["cold, cached s: prefill / saved", "cold, cached speed-up"] if cached else []),
+               "warm s: prefill / saved", "warm speed-up", "answers equal"]
+    how = ("`load_state(once=True)` + `generate_from_state` (as `kvjax generate --state` runs them); prefill: "
+           "`generate(decode_last=...)`; cold = first call of a fresh process (compiles, filling an empty compilation "
+           "cache), cold, cached = first call of another fresh process reading that cache (a user's later runs), "
+           "warm = second call of the first" if cached else
+           "`load_state` + `generate_from_state`; prefill: `generate(decode_last=...)`; cold = first call of a fresh "
+           "process (compiles, no compilation cache), warm = second call")
+    return (markdown_table(columns, rows)
             + f"\n{payload['model']}, a {payload['tokens']}-token passkey document and its question "
               f"({payload['question_tokens']} tokens, fed by decode), {payload['max_new_tokens']} new tokens, greedy; "
               f"the full float32 cache of those tokens: {payload['full_float32_bytes'] / 2**20:.0f} MiB. Saved: "
-              "`load_state` + `generate_from_state`; prefill: `generate(decode_last=...)`; cold = first call of a fresh "
-              "process (compiles, no compilation cache), warm = second call; model loading "
+              f"{how}; model loading "
               f"({payload['model_load_s']:.1f} s) excluded. {payload['machine'].get('cpu_model', '')}, "
               f"{payload['machine']['cpu_count']} cores. "
               f"{load_line(payload)}\n")
@@ -101,8 +128,10 @@ def plot(payload: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for ax, when in zip(axes, ("cold", "warm")):
+    whens = ("cold", "cold_cached", "warm") if all("cold_cached_s" in r["saved"] for r in payload["runs"].values()) \
+        else ("cold", "warm")
+    fig, axes = plt.subplots(1, len(whens), figsize=(4.5 * len(whens), 3.5))
+    for ax, when in zip(axes, whens):
         names = list(payload["runs"])
         x = range(len(names))
         ax.bar([i - 0.2 for i in x], [payload["runs"][n]["prefill"][f"{when}_s"] for n in names], 0.4, label="prefill again")
@@ -110,7 +139,7 @@ def plot(payload: dict, path: str) -> None:
         ax.set_xticks(list(x), names)
         ax.set_yscale("log")
         ax.set_ylabel("seconds to answer")
-        ax.set_title(when)
+        ax.set_title(when.replace("_", ", "))
     axes[0].legend()
     fig.suptitle(f"{payload['model']}, {payload['tokens']} tokens (shared CPU)")
     fig.tight_layout()
@@ -127,11 +156,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--worker", choices=["saved", "prefill"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--state", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--kv-dtype", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--calls", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return answer(args)
-
-    import shutil
 
     import kvjax
     from kvjax.tasks.needles import passkey_samples
@@ -161,7 +189,8 @@ def main(argv=None) -> dict:
         header = kvjax.read_header(state_dir)
         runs[name] = {"policy": header["policy"], "page_dtype": header["page_dtype"], "pages": header["pages"],
                       "disk_bytes": disk_bytes(state_dir), "prefill_and_save_s": save_s, "saved": saved,
-                      "prefill": again, "answers_equal": saved["tokens"] == again["tokens"],
+                      "prefill": again, "answers_equal": saved["tokens"] == again["tokens"]
+                      == saved["cached_tokens"] == again["cached_tokens"],
                       "answer": model.tokenizer.decode([t for t in saved["tokens"] if t >= 0], skip_special_tokens=True)}
         print(name, {k: v for k, v in runs[name].items() if k not in ("saved", "prefill")}, file=sys.stderr)
     shutil.rmtree(args.work, ignore_errors=True)
