@@ -140,6 +140,30 @@ def test_damaged_files_are_refused_by_name(tiny, saved_snapkv, tmp_path, damage,
         load_state(_damaged(saved_snapkv, tmp_path, damage), tiny)
 
 
+def test_states_saved_with_older_checksums_are_still_checked(tiny, saved_snapkv, tmp_path):
+    import json
+    import shutil
+
+    from kvjax.util.tensor_file import file_checksum
+
+    current = load_state(saved_snapkv, tiny)
+    for kind in ("crc32", "blake2b"):  # format version 1's checksums (before xxh3-64)
+        older = tmp_path / kind
+        shutil.copytree(saved_snapkv, older)
+        header = json.loads((older / HEADER_FILE).read_text())
+        header.update(version=1, checksum={kind: file_checksum(older / TENSOR_FILE, kind), "bytes": header["checksum"]["bytes"]})
+        (older / HEADER_FILE).write_text(json.dumps(header))
+        loaded = load_state(older, tiny)
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded.state), jax.tree.leaves(current.state)))
+        _flip_byte(older)
+        with pytest.raises(SavedStateError, match=f"corrupt \\(checksum {kind} "):
+            load_state(older, tiny)
+    header["checksum"] = {"md5": "0", "bytes": header["checksum"]["bytes"]}
+    (older / HEADER_FILE).write_text(json.dumps(header))
+    with pytest.raises(SavedStateError, match="names no checksum this kvjax knows"):
+        load_state(older, tiny)
+
+
 def test_another_model_is_refused(tiny, saved_snapkv):
     other_config = dataclasses.replace(tiny, cfg=dataclasses.replace(tiny.cfg, rms_norm_eps=1e-5))
     with pytest.raises(SavedStateError, match="saved for another model \\(tiny, config"):
