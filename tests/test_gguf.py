@@ -252,6 +252,39 @@ def test_tokenizer_and_chat_template(tmp_path):
     assert chat == reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
+def test_the_converted_tokenizer_is_kept_beside_the_file(tmp_path, monkeypatch):
+    """The second load reads the tokenizer kept in `<file>.tokenizer/` (no GGUF conversion), the same in every
+    answer; a file changed since is converted again."""
+    from kvjax.models import gguf
+
+    path = write_gguf(tmp_path / "model.gguf", llama(), qtype=Q.Q4_0)
+    first = gguf.load_gguf_tokenizer(path)
+    kept = str(path) + gguf.TOKENIZER_SUFFIX
+    assert os.path.isfile(os.path.join(kept, "tokenizer.json"))
+    converted = []
+    import transformers
+
+    original = transformers.PreTrainedTokenizerFast.from_pretrained.__func__
+
+    def counting(cls, *args, **kwargs):
+        converted.append("gguf_file" in kwargs)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "from_pretrained", classmethod(counting))
+    again = gguf.load_gguf_tokenizer(path)
+    assert converted == [False], "the kept tokenizer was not used"
+    text = "the cat sat on a mat in the sun, at once. Then: <|im_end|> tea?"
+    assert again(text)["input_ids"] == first(text)["input_ids"] and again.eos_token_id == first.eos_token_id
+    messages = [{"role": "user", "content": "hi there"}]
+    assert (again.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            == first.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    os.utime(path, ns=(0, 0))  # the file changed since: converted again, and kept anew
+    gguf.load_gguf_tokenizer(path)
+    assert converted == [False, True]
+    gguf.load_gguf_tokenizer(path)
+    assert converted == [False, True, False]
+
+
 def test_unsupported_quant_type_names_tensor_and_type(tmp_path, monkeypatch):
     """Runs on every gguf version: Q8_K is taken away from the gguf package first (0.19 lacks it anyway), so
     the package raises NotImplementedError and kvjax must turn that into an error naming tensor and type."""

@@ -3,8 +3,10 @@ HF-style config dict from the metadata, and the tokenizer (with its chat templat
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -259,12 +261,50 @@ def _read(path, threads=None):
     return config, {hf_tensor_name(name, arch): values for name, values in converted.items()}, meta
 
 
+TOKENIZER_SUFFIX = ".tokenizer"  # `<file>.gguf.tokenizer/`: the file's tokenizer, converted once
+
+
 def load_gguf_tokenizer(path: str | os.PathLike):
-    """The tokenizer the file's metadata describes (transformers' GGUF conversion, chat template included)."""
+    """The tokenizer the file's metadata describes (transformers' GGUF conversion, chat template included).
+
+    The conversion imports torch and parses the file's metadata a second time (seconds, at every start of a
+    real model), so its result is kept beside the file as a fast tokenizer's files (`<file>.tokenizer/`,
+    written when the folder is writable) and read from there while the file's size and modification time
+    and transformers' version are those it was converted from."""
     from transformers import PreTrainedTokenizerFast
 
     path = os.path.abspath(os.fspath(path))
-    return PreTrainedTokenizerFast.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    kept, source = path + TOKENIZER_SUFFIX, _tokenizer_source(path)
+    try:
+        with open(os.path.join(kept, "kvjax-source.json")) as f:
+            if json.load(f) == source:
+                return PreTrainedTokenizerFast.from_pretrained(kept)
+    except (OSError, ValueError):
+        pass  # none kept, or kept from another file or version: convert again
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    _keep_tokenizer(tokenizer, kept, source)
+    return tokenizer
+
+
+def _tokenizer_source(path: str) -> dict:
+    import transformers
+
+    info = os.stat(path)
+    return {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "transformers": transformers.__version__}
+
+
+def _keep_tokenizer(tokenizer, kept: str, source: dict) -> None:
+    """Write the converted tokenizer to `kept` whole or not at all (a temporary folder renamed into place);
+    a folder that cannot be written leaves the next start to convert again."""
+    temporary = f"{kept}.{os.getpid()}.tmp"
+    try:
+        tokenizer.save_pretrained(temporary)
+        with open(os.path.join(temporary, "kvjax-source.json"), "w") as f:
+            json.dump(source, f)
+        shutil.rmtree(kept, ignore_errors=True)
+        os.replace(temporary, kept)
+    except OSError:
+        shutil.rmtree(temporary, ignore_errors=True)
 
 
 def load_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray], Any]:
