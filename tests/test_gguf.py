@@ -252,6 +252,20 @@ def test_tokenizer_and_chat_template(tmp_path):
     assert chat == reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
+def test_the_reader_reads_what_the_gguf_package_reads(tmp_path):
+    """`open_gguf` parses through a plain view of the memory map (faster): every field and tensor as the
+    package's own reader has them."""
+    from kvjax.models import gguf as kvjax_gguf
+
+    path = write_gguf(tmp_path / "model.gguf", llama(), qtype=Q.Q4_0)
+    ours, theirs = kvjax_gguf.open_gguf(path), gguf.GGUFReader(path)
+    assert kvjax_gguf.metadata(ours) == kvjax_gguf.metadata(theirs) and len(ours.fields) == len(theirs.fields)
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape)) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
+    assert type(ours.tensors[0].data) is np.ndarray  # not an np.memmap slice
+
+
 def test_the_converted_tokenizer_is_kept_beside_the_file(tmp_path, monkeypatch):
     """The second load reads the tokenizer kept in `<file>.tokenizer/` (no GGUF conversion), the same in every
     answer; a file changed since is converted again."""
