@@ -4,6 +4,7 @@ Notes: docs/modules.md (`pallas_kernels/decode_xla.py`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -23,7 +24,7 @@ DEFAULT_FORMULATION = "auto"
 # K bytes gathered per loop step over all rows, measured best on CPU: 4 MiB for rows of one query head
 # (mulsum and einsum alike), 2 MiB for grouped einsum rows; 8 MiB and more fell out of cache
 _BLOCK_BYTES = {"mulsum": 4 << 20, "mulsum_barrier": 4 << 20, "einsum": 4 << 20, "einsum_grouped": 2 << 20}
-# Below this much K per call one loop is used (small calls gain nothing from more loops and compile more)
+# Below this much K per call the rows are one group (small calls gain nothing from more and compile more)
 _ROW_GROUP_MIN_BYTES = 8 << 20
 
 
@@ -36,12 +37,11 @@ def default_pages_per_block(num_rows: int, page_size: int, head_dim: int, formul
 
 
 def default_row_groups(num_rows: int, row_bytes: int) -> int:
-    """Loops the rows are cut into: one per core this process may run on (at most 4 and at most the
-    rows) when the call reads at least `_ROW_GROUP_MIN_BYTES` of K, else 1. XLA:CPU runs independent loops
-    side by side on its thread pool, and within one loop the page gathers run at the speed of one core's
-    misses; two loops on 2 cores read Llama-2's 32K cache ~20% faster (docs/kernels.md). `row_bytes`: K
-    bytes of one row's read list. 1 off the CPU (a GPU or TPU runs this path only as a fallback, and its
-    loops would run one after another)."""
+    """Groups the rows are cut into: one per core this process may run on (at most 4 and at most the
+    rows) when the call reads at least `_ROW_GROUP_MIN_BYTES` of K, else 1. Each step of the one loop folds
+    every group's next block as operations of its own, which XLA:CPU may run side by side on its thread
+    pool (separate loops per group ran one after another: docs/kernels.md, "Row groups"). `row_bytes`: K
+    bytes of one row's read list. 1 off the CPU (a GPU or TPU runs this path only as a fallback)."""
     if num_rows * row_bytes < _ROW_GROUP_MIN_BYTES or jax.default_backend() != "cpu":
         return 1
     try:
@@ -98,7 +98,8 @@ def attend_read_list_xla(
 
     Row (b, hs) of the read list serves query heads hs*Gq .. hs*Gq+Gq-1 (Gq = Hq // Hsel). int8 pages are
     read as int8 and their per-slot scales applied to the logits and the probabilities. `row_groups`: the
-    rows are cut into this many groups, each attended by its own loop (None: `default_row_groups`).
+    rows are cut into this many groups, each folded block by block as operations of its own within one loop
+    (None: `default_row_groups`).
     Returns (out f32[B, Hq, D], row_max f32[B, Hq], row_sum f32[B, Hq]) over logits scaled by sm_scale.
     """
     if formulation not in FORMULATIONS:
@@ -121,24 +122,28 @@ def attend_read_list_xla(
         raise ValueError(f"row_groups must be >= 1, got {row_groups}")
     groups = min(row_groups, rows)
     bounds = [rows * g // groups for g in range(groups + 1)]
-    parts = [
-        _attend_rows(q_rows[lo:hi], k_pages, v_pages, physical[lo:hi], counts[lo:hi], k_scale=k_scale,
-                     v_scale=v_scale, pages_per_block=pages_per_block, formulation=formulation)
-        for lo, hi in zip(bounds[:-1], bounds[1:])
-    ]
+    row_slices = [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    if pages_per_block is None:  # one block size for every group (the largest group's), so their blocks align
+        largest = max(s.stop - s.start for s in row_slices)
+        pages_per_block = default_pages_per_block(largest, page_size, head_dim, formulation, grouped=q_per_row > 1)
+    parts = _attend_rows([(q_rows[s], physical[s], counts[s]) for s in row_slices], k_pages, v_pages,
+                         k_scale=k_scale, v_scale=v_scale, pages_per_block=pages_per_block, formulation=formulation)
     acc, row_max, row_sum = (jnp.concatenate(part, axis=0) if len(parts) > 1 else part[0] for part in zip(*parts))
     return _finish(acc, row_max, row_sum, batch, num_q_heads, head_dim)
 
 
-def _attend_rows(q_rows, k_pages, v_pages, physical, counts, *, k_scale, v_scale, pages_per_block, formulation):
-    """The online softmax of `attend_read_list_xla` over rows of its read list, in one loop.
+def _attend_rows(groups, k_pages, v_pages, *, k_scale, v_scale, pages_per_block, formulation):
+    """The online softmax of `attend_read_list_xla` over groups of rows of its read list, in one loop whose
+    every step folds the next block of each group as operations of its own (independent, so XLA:CPU may run
+    the groups side by side).
 
-    q_rows [R, D] (a row serves one query head) or [R, Gq, D], scaled; physical, counts int32[R, E].
-    Returns (acc f32[R, (Gq,) D] unnormalised, row_max f32[R(, Gq)], row_sum f32[R(, Gq)]).
+    groups: (q_rows [R, D] (a row serves one query head) or [R, Gq, D], scaled; physical, counts int32[R, E])
+    per group, every group with the same E and query layout.
+    Returns per group (acc f32[R, (Gq,) D] unnormalised, row_max f32[R(, Gq)], row_sum f32[R(, Gq)]).
     """
-    rows, num_entries = physical.shape
+    num_entries = groups[0][1].shape[1]
     page_size, head_dim = k_pages.shape[1:]
-    q_per_row = 1 if q_rows.ndim == 2 else q_rows.shape[1]
+    q_per_row = 1 if groups[0][0].ndim == 2 else groups[0][0].shape[1]
 
     def gather(pool, pages):
         gathered = page_values(pool.at[pages].get(mode="promise_in_bounds"))  # pages are clamped into the pool
@@ -155,63 +160,80 @@ def _attend_rows(q_rows, k_pages, v_pages, physical, counts, *, k_scale, v_scale
         return per_slot if q_per_row == 1 else per_slot[:, None]
 
     # 1. The current page (entry 0), masked slot by slot: the only page with slots past the length.
-    slot = jnp.arange(page_size, dtype=jnp.int32)
-    current_valid = slot < counts[:, :1]  # [R, ps]
-    k_current = gather(k_pages, physical[:, 0])  # [R, ps, D]
-    v_current = jnp.where(current_valid[..., None], gather(v_pages, physical[:, 0]), 0.0)
-    if q_per_row > 1:
-        current_valid = current_valid[:, None]
-    k_current_scale = slot_scale(k_scale, physical[:, 0])
-    logits = jnp.where(current_valid, _logits(q_rows, k_current, formulation) * k_current_scale, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1)  # finite: the current page holds >= 1 slot
-    probs = jnp.exp(logits - row_max[..., None])
-    row_sum = jnp.sum(probs, axis=-1)
-    if v_scale is not None:  # int8: scale the probabilities (a scale past the length may be NaN: masked)
-        probs = probs * jnp.where(current_valid, slot_scale(v_scale, physical[:, 0]), 0.0)
-    acc = _weighted_values(probs, v_current, formulation)
+    def attend_current(q_rows, physical, counts):
+        slot = jnp.arange(page_size, dtype=jnp.int32)
+        current_valid = slot < counts[:, :1]  # [R, ps]
+        k_current = gather(k_pages, physical[:, 0])  # [R, ps, D]
+        v_current = jnp.where(current_valid[..., None], gather(v_pages, physical[:, 0]), 0.0)
+        if q_per_row > 1:
+            current_valid = current_valid[:, None]
+        k_current_scale = slot_scale(k_scale, physical[:, 0])
+        logits = jnp.where(current_valid, _logits(q_rows, k_current, formulation) * k_current_scale, -jnp.inf)
+        row_max = jnp.max(logits, axis=-1)  # finite: the current page holds >= 1 slot
+        probs = jnp.exp(logits - row_max[..., None])
+        row_sum = jnp.sum(probs, axis=-1)
+        if v_scale is not None:  # int8: scale the probabilities (a scale past the length may be NaN: masked)
+            probs = probs * jnp.where(current_valid, slot_scale(v_scale, physical[:, 0]), 0.0)
+        return _weighted_values(probs, v_current, formulation), row_max, row_sum
+
+    states = [attend_current(*group) for group in groups]
+    num_full = num_entries - 1
+    if num_full == 0:
+        return states
 
     # 2. Full pages in blocks. Entries with nothing to read point at the row's first full page (finite
     # values; their logits are masked), or, in rows with no full page at all, their contribution is
     # dropped as a whole.
-    full_physical, full_counts = physical[:, 1:], counts[:, 1:]
-    num_full = num_entries - 1
-    if num_full == 0:
-        return acc, row_max, row_sum
-    if pages_per_block is None:
-        pages_per_block = default_pages_per_block(rows, page_size, head_dim, formulation, grouped=q_per_row > 1)
     pages_per_block = max(1, min(pages_per_block, num_full))
     num_blocks = _pages.cdiv(num_full, pages_per_block)
     padded = num_blocks * pages_per_block
-    has_full = full_counts[:, :1] > 0  # [R, 1]
-    readable = full_counts > 0
-    full_physical = jnp.where(readable, full_physical, full_physical[:, :1])
-    full_physical = _pages.pad_axis(full_physical, padded, axis=1, value=0)
-    full_physical = jnp.where(jnp.arange(padded) < num_full, full_physical, full_physical[:, :1])
-    readable = _pages.pad_axis(readable, padded, axis=1, value=False)
-    page_blocks = jnp.swapaxes(full_physical.reshape(rows, num_blocks, pages_per_block), 0, 1)  # [nblk, R, nb]
-    readable_blocks = jnp.swapaxes(readable.reshape(rows, num_blocks, pages_per_block), 0, 1)
-    active_blocks = _pages.cdiv(jnp.max(jnp.sum(full_counts > 0, axis=1)), pages_per_block)
-    row_keep = has_full if q_per_row == 1 else has_full[:, :, None]  # [R, 1] or [R, 1, 1]
 
-    def fold_block(block_index, state):
-        row_max, row_sum, acc = state  # [R(, Gq)], [R(, Gq)], [R, (Gq,) D]
+    def plan(physical, counts):  # the group's pages per block [nblk, R, nb], readable, rows with a full page
+        rows = physical.shape[0]
+        full_physical, full_counts = physical[:, 1:], counts[:, 1:]
+        readable = full_counts > 0
+        full_physical = jnp.where(readable, full_physical, full_physical[:, :1])
+        full_physical = _pages.pad_axis(full_physical, padded, axis=1, value=0)
+        full_physical = jnp.where(jnp.arange(padded) < num_full, full_physical, full_physical[:, :1])
+        readable = _pages.pad_axis(readable, padded, axis=1, value=False)
+        page_blocks = jnp.swapaxes(full_physical.reshape(rows, num_blocks, pages_per_block), 0, 1)
+        readable_blocks = jnp.swapaxes(readable.reshape(rows, num_blocks, pages_per_block), 0, 1)
+        has_full = full_counts[:, :1] > 0  # [R, 1]
+        return page_blocks, readable_blocks, has_full if q_per_row == 1 else has_full[:, :, None]
+
+    plans = [plan(physical, counts) for _, physical, counts in groups]
+    # every group's blocks up to the last holding a page of any row (past a group's own last, its pages
+    # are all unreadable: masked, and the block changes nothing)
+    most_full = functools.reduce(jnp.maximum, [jnp.max(jnp.sum(counts[:, 1:] > 0, axis=1)) for _, _, counts in groups])
+    active_blocks = _pages.cdiv(most_full, pages_per_block)
+
+    def fold_block(block_index, q_rows, group_plan, state):
+        acc, row_max, row_sum = state  # [R, (Gq,) D], [R(, Gq)], [R(, Gq)]
+        page_blocks, readable_blocks, row_keep = group_plan
         block_pages = lax.dynamic_index_in_dim(page_blocks, block_index, keepdims=False)  # [R, nb]
         block_readable = lax.dynamic_index_in_dim(readable_blocks, block_index, keepdims=False)
         k = gather(k_pages, block_pages)  # [R, nb, ps, D]
         v = gather(v_pages, block_pages)
-        page_mask = block_readable[:, :, None] if q_per_row == 1 else block_readable[:, None, :, None]
-        logits = _logits(q_rows, k, formulation) * slot_scale(k_scale, block_pages)
-        logits = jnp.where(page_mask, logits, -jnp.inf)  # [R, (Gq,) nb, ps]
-        new_max = jnp.maximum(row_max, jnp.max(logits, axis=(-2, -1)))  # finite: current page seen
+        # the softmax over the block's slots as one axis [R, (Gq,) nb*ps]: with [nb, ps] axes XLA:CPU ran the
+        # mask and exp several times slower (minor axis of ps)
+        slot_mask = jnp.repeat(block_readable, page_size, axis=1)  # [R, nb*ps]
+        logits = _logits(q_rows, k, formulation) * slot_scale(k_scale, block_pages)  # [R, (Gq,) nb, ps]
+        logits = logits.reshape(logits.shape[:-2] + (-1,))
+        logits = jnp.where(slot_mask if q_per_row == 1 else slot_mask[:, None], logits, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))  # finite: current page seen
         rescale = jnp.exp(row_max - new_max)
-        probs = jnp.exp(logits - new_max[..., None, None])
-        weighted = _weighted_values(probs * slot_scale(v_scale, block_pages), v, formulation)
+        probs = jnp.exp(logits - new_max[..., None])
+        block_probs = probs.reshape(probs.shape[:-1] + block_pages.shape[1:] + (page_size,))
+        weighted = _weighted_values(block_probs * slot_scale(v_scale, block_pages), v, formulation)
         weighted = jnp.where(row_keep, weighted, 0.0)
-        row_sum = row_sum * rescale + jnp.sum(probs, axis=(-2, -1))
-        return new_max, row_sum, acc * rescale[..., None] + weighted
+        row_sum = row_sum * rescale + jnp.sum(probs, axis=-1)
+        return acc * rescale[..., None] + weighted, new_max, row_sum
 
-    row_max, row_sum, acc = lax.fori_loop(0, active_blocks, fold_block, (row_max, row_sum, acc))
-    return acc, row_max, row_sum
+    def fold_blocks(block_index, states):
+        return tuple(fold_block(block_index, group[0], group_plan, state)
+                     for group, group_plan, state in zip(groups, plans, states))
+
+    return list(lax.fori_loop(0, active_blocks, fold_blocks, tuple(states)))
 
 
 def _finish(acc, row_max, row_sum, batch, num_q_heads, head_dim):

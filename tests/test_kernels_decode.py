@@ -279,7 +279,7 @@ def test_property_sparse_decode_matches_reference(backend, case):
 @pytest.mark.parametrize("pages, row_groups", quick_params([("float32", 2), ("float32", 3), ("int8", 2), ("int8", 3)],
                                                           [("int8", 3)], ids=lambda v: f"{v[0]}-{v[1]}"))
 def test_xla_row_groups_do_not_change_results(pages, row_groups):
-    """The XLA path cut into several loops over groups of rows (uneven with 3) equals the reference:
+    """The XLA path cut into several groups of rows (uneven with 3) equals the reference:
     dense, sparse per query head (rows of one query head) and per kv head (grouped rows)."""
     rng = np.random.default_rng([43, row_groups, pages == "int8"])
     inputs = make_paged_inputs(rng, **DENSE_SHAPE)
@@ -300,16 +300,25 @@ def test_xla_row_groups_do_not_change_results(pages, row_groups):
     assert_decode_matches(result, expected, jnp.float32)
 
 
+def test_xla_row_groups_share_one_loop():
+    """The row groups are folded block by block in one loop, each group as operations of its own. Separate
+    loops ran one after another on XLA:CPU: their temporaries shared one buffer, which orders the loops
+    (docs/kernels.md, "Row groups"). Traced only, nothing compiled."""
+    q, k_pages, v_pages, _, _, page_table, lengths = make_paged_inputs(np.random.default_rng(44), **DENSE_SHAPE).as_jax()
+    decode = jax.jit(functools.partial(pk.paged_decode, backend="xla", row_groups=3))
+    assert decode.lower(q, k_pages, v_pages, page_table, lengths).as_text().count("stablehlo.while") == 1
+
+
 def test_default_row_groups_split_only_large_calls(monkeypatch):
     from kvjax.pallas_kernels import decode_xla
 
     monkeypatch.setattr(decode_xla.jax, "default_backend", lambda: "cpu")  # the CPU's rule, also on a GPU
     monkeypatch.setattr(decode_xla.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
-    assert decode_xla.default_row_groups(32, 1 << 20) == 4  # 32 MiB of K: one loop per core, at most 4
-    assert decode_xla.default_row_groups(3, 8 << 20) == 3  # at most one loop per row
-    assert decode_xla.default_row_groups(32, 1 << 10) == 1  # 32 KiB: one loop
+    assert decode_xla.default_row_groups(32, 1 << 20) == 4  # 32 MiB of K: one group per core, at most 4
+    assert decode_xla.default_row_groups(3, 8 << 20) == 3  # at most one group per row
+    assert decode_xla.default_row_groups(32, 1 << 10) == 1  # 32 KiB: one group
     monkeypatch.setattr(decode_xla.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert decode_xla.default_row_groups(32, 1 << 20) == 1
     monkeypatch.setattr(decode_xla.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(decode_xla.jax, "default_backend", lambda: "gpu")
-    assert decode_xla.default_row_groups(32, 1 << 20) == 1  # loops would run one after another there
+    assert decode_xla.default_row_groups(32, 1 << 20) == 1  # groups would run one after another there
