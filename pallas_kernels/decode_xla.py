@@ -38,10 +38,10 @@ def default_pages_per_block(num_rows: int, page_size: int, head_dim: int, formul
 
 def default_row_groups(num_rows: int, row_bytes: int) -> int:
     """Groups the rows are cut into: one per core this process may run on (at most 4 and at most the
-    rows) when the call reads at least `_ROW_GROUP_MIN_BYTES` of K, else 1. Each step of the one loop folds
-    every group's next block as operations of its own, which XLA:CPU may run side by side on its thread
-    pool (separate loops per group ran one after another: docs/kernels.md, "Row groups"). `row_bytes`: K
-    bytes of one row's read list. 1 off the CPU (a GPU or TPU runs this path only as a fallback)."""
+    rows) when the call reads at least `_ROW_GROUP_MIN_BYTES` of K, else 1. Grouped rows fold every group's
+    next block in one loop, as operations of their own that XLA:CPU may run side by side; rows of one query
+    head take a loop per group (docs/kernels.md, "Row groups"). `row_bytes`: K bytes of one row's read list.
+    1 off the CPU (a GPU or TPU runs this path only as a fallback)."""
     if num_rows * row_bytes < _ROW_GROUP_MIN_BYTES or jax.default_backend() != "cpu":
         return 1
     try:
@@ -98,8 +98,8 @@ def attend_read_list_xla(
 
     Row (b, hs) of the read list serves query heads hs*Gq .. hs*Gq+Gq-1 (Gq = Hq // Hsel). int8 pages are
     read as int8 and their per-slot scales applied to the logits and the probabilities. `row_groups`: the
-    rows are cut into this many groups, each folded block by block as operations of its own within one loop
-    (None: `default_row_groups`).
+    rows are cut into this many groups (None: `default_row_groups`), grouped rows' groups folded in one loop,
+    each as operations of its own, rows of one query head in a loop per group.
     Returns (out f32[B, Hq, D], row_max f32[B, Hq], row_sum f32[B, Hq]) over logits scaled by sm_scale.
     """
     if formulation not in FORMULATIONS:
@@ -120,14 +120,19 @@ def attend_read_list_xla(
         row_groups = default_row_groups(rows, num_entries * page_size * head_dim * k_pages.dtype.itemsize)
     if row_groups < 1:
         raise ValueError(f"row_groups must be >= 1, got {row_groups}")
-    groups = min(row_groups, rows)
-    bounds = [rows * g // groups for g in range(groups + 1)]
-    row_slices = [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
-    if pages_per_block is None:  # one block size for every group (the largest group's), so their blocks align
-        largest = max(s.stop - s.start for s in row_slices)
-        pages_per_block = default_pages_per_block(largest, page_size, head_dim, formulation, grouped=q_per_row > 1)
-    parts = _attend_rows([(q_rows[s], physical[s], counts[s]) for s in row_slices], k_pages, v_pages,
-                         k_scale=k_scale, v_scale=v_scale, pages_per_block=pages_per_block, formulation=formulation)
+    num_groups = min(row_groups, rows)
+    bounds = [rows * g // num_groups for g in range(num_groups + 1)]
+    groups = [(q_rows[lo:hi], physical[lo:hi], counts[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    # Grouped rows: every group in one loop (separate loops ran one after another, docs/kernels.md "Row
+    # groups"); rows of one query head: a loop per group, as measured fastest for them before that was known
+    loops = [groups] if q_per_row > 1 else [[group] for group in groups]
+    parts = []
+    for loop_groups in loops:
+        loop_rows = sum(group[0].shape[0] for group in loop_groups)
+        block = pages_per_block or default_pages_per_block(loop_rows, page_size, head_dim, formulation,
+                                                           grouped=q_per_row > 1)  # over the loop's rows
+        parts += _attend_rows(loop_groups, k_pages, v_pages, k_scale=k_scale, v_scale=v_scale, pages_per_block=block,
+                              formulation=formulation)
     acc, row_max, row_sum = (jnp.concatenate(part, axis=0) if len(parts) > 1 else part[0] for part in zip(*parts))
     return _finish(acc, row_max, row_sum, batch, num_q_heads, head_dim)
 
@@ -214,19 +219,19 @@ def _attend_rows(groups, k_pages, v_pages, *, k_scale, v_scale, pages_per_block,
         block_readable = lax.dynamic_index_in_dim(readable_blocks, block_index, keepdims=False)
         k = gather(k_pages, block_pages)  # [R, nb, ps, D]
         v = gather(v_pages, block_pages)
-        # the softmax over the block's slots as one axis [R, (Gq,) nb*ps]: with [nb, ps] axes XLA:CPU ran the
-        # mask and exp several times slower (minor axis of ps)
-        slot_mask = jnp.repeat(block_readable, page_size, axis=1)  # [R, nb*ps]
-        logits = _logits(q_rows, k, formulation) * slot_scale(k_scale, block_pages)  # [R, (Gq,) nb, ps]
-        logits = logits.reshape(logits.shape[:-2] + (-1,))
-        logits = jnp.where(slot_mask if q_per_row == 1 else slot_mask[:, None], logits, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))  # finite: current page seen
+        page_mask = block_readable[:, :, None] if q_per_row == 1 else block_readable[:, None, :, None]
+        logits = _logits(q_rows, k, formulation) * slot_scale(k_scale, block_pages)
+        logits = jnp.where(page_mask, logits, -jnp.inf)  # [R, (Gq,) nb, ps]
+        block_shape = logits.shape
+        if q_per_row > 1:  # grouped rows' softmax over one slot axis [R, Gq, nb*ps]: over [Gq, nb, ps] XLA:CPU
+            logits = logits.reshape(block_shape[:-2] + (-1,))  # ran the exp several times slower
+        slot_axes = (-1,) if q_per_row > 1 else (-2, -1)
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=slot_axes))  # finite: current page seen
         rescale = jnp.exp(row_max - new_max)
-        probs = jnp.exp(logits - new_max[..., None])
-        block_probs = probs.reshape(probs.shape[:-1] + block_pages.shape[1:] + (page_size,))
-        weighted = _weighted_values(block_probs * slot_scale(v_scale, block_pages), v, formulation)
+        probs = jnp.exp(logits - jnp.expand_dims(new_max, slot_axes))
+        weighted = _weighted_values(probs.reshape(block_shape) * slot_scale(v_scale, block_pages), v, formulation)
         weighted = jnp.where(row_keep, weighted, 0.0)
-        row_sum = row_sum * rescale + jnp.sum(probs, axis=-1)
+        row_sum = row_sum * rescale + jnp.sum(probs, axis=slot_axes)
         return acc * rescale[..., None] + weighted, new_max, row_sum
 
     def fold_blocks(block_index, states):

@@ -301,12 +301,15 @@ def test_xla_row_groups_do_not_change_results(pages, row_groups):
 
 
 def test_xla_row_groups_share_one_loop():
-    """The row groups are folded block by block in one loop, each group as operations of its own. Separate
-    loops ran one after another on XLA:CPU: their temporaries shared one buffer, which orders the loops
-    (docs/kernels.md, "Row groups"). Traced only, nothing compiled."""
+    """Grouped rows' row groups are folded block by block in one loop, each group as operations of its own.
+    Separate loops ran one after another on XLA:CPU: their temporaries shared one buffer, which orders the
+    loops (docs/kernels.md, "Row groups"). Rows of one query head keep a loop per group. Traced only."""
     q, k_pages, v_pages, _, _, page_table, lengths = make_paged_inputs(np.random.default_rng(44), **DENSE_SHAPE).as_jax()
-    decode = jax.jit(functools.partial(pk.paged_decode, backend="xla", row_groups=3))
+    decode = jax.jit(functools.partial(pk.paged_decode, backend="xla", row_groups=3))  # 4 query heads a row
     assert decode.lower(q, k_pages, v_pages, page_table, lengths).as_text().count("stablehlo.while") == 1
+    selected = jnp.zeros(q.shape[:2] + (2,), jnp.int32)  # per query head: rows of one query head
+    decode = jax.jit(functools.partial(pk.sparse_paged_decode, backend="xla", row_groups=3))
+    assert decode.lower(q, k_pages, v_pages, page_table, selected, lengths).as_text().count("stablehlo.while") == 3
 
 
 def test_default_row_groups_split_only_large_calls(monkeypatch):
