@@ -24,7 +24,7 @@ from kvjax.policies import DecodeView, PageView, Policy, PromptView, layer_roles
 # ------------------------------------------------------------------------------------------ placement
 
 # The arrays the steps hand to their page work carry layouts, one letter per axis (b batch rows, h heads,
-# c chunk tokens, s slots, d head dim; "" a scalar, "state" a whole KVState; `kvjax.engine.decode.VIEW_LAYOUTS`).
+# c chunk tokens, s slots, d head dim; "" a scalar, "state" a whole KVState; `VIEW_LAYOUTS` below).
 # One device ignores them; a mesh (`kvjax.distributed`) splits b over "data" and h over "model".
 # KVState fields `allocate_for_append` changes besides `overflow` (restored when another shard failed)
 _ALLOCATION_FIELDS = ("page_table", "num_free", "refcount", "kmin", "kmax", "slot_pos", "slot_score")
@@ -67,7 +67,6 @@ def allocate_everywhere(state: KVState, num_new, *, C: int, placement: OneDevice
     return new, jnp.where(ok, num_new, 0)
 
 
-
 # ------------------------------------------------------------------------------------------- the step
 
 
@@ -99,7 +98,6 @@ def layer_segments(policy: Policy, state: KVState, num_layers: int, windows: tup
     key = [(layer_roles(policy, l), state.layer_read_pages(l), windows[l] if windows else 0) for l in range(num_layers)]
     starts = [l for l in range(num_layers) if l == 0 or key[l] != key[l - 1]]
     return tuple(zip(starts, starts[1:] + [num_layers]))
-
 
 
 class DecodePlan(NamedTuple):
@@ -282,5 +280,6 @@ def page_view(state: KVState, layer, num_layers: int, q) -> PageView:
 
 
 __all__ = ["DecodePlan", "ONE_DEVICE", "OneDevice", "SLOT_FIELDS", "VIEW_LAYOUTS", "allocate_everywhere",
-           "append_token", "attend_in_window", "decode_forward", "decode_layer", "decode_plans", "layer_segments", "evict_over_budget", "new_sketch_rows", "over_layers", "page_view", "prompt_view",
-           "slot_fields", "write_select_attend"]
+           "append_token", "attend_in_window", "decode_forward", "decode_layer", "decode_plans", "evict_over_budget",
+           "layer_segments", "new_sketch_rows", "over_layers", "page_view", "prompt_view", "slot_fields",
+           "write_select_attend"]
