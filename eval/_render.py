@@ -2,7 +2,7 @@
 
 A rendered block in a Markdown file is
 
-    <!-- render eval.bench_decode eval/results/decode/bench_decode.json -->
+    <!-- render eval.bench_decode results/decode/bench_decode.json -->
     ...the text `render(payload)` of that program gives for that JSON...
     <!-- end render -->
 

@@ -11,7 +11,7 @@ compared with a large read (jnp.sum over ~2 GiB) measured in the same run.
     python eval/bench_attention.py --components     # also time Quest's stages alone
     python eval/bench_attention.py --row-groups 1   # also time dense decode in one loop (the default: per core)
 
-Writes bench_attention.{json,md,png} under --out (default ./kvjax-results/attention; committed: eval/results/attention).
+Writes bench_attention.{json,md,png} under --out (default ./kvjax-results/attention; committed: results/attention).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 
 from kvjax import pallas_kernels as pk
 
-from .lib.report import cpu_load, default_out
+from .lib.report import cpu_load, default_out, others_cpu
 from .lib.setups import chunked_page_tables
 
 LLC_BYTES = 480 * 2**20  # last-level cache of the machines this project targets
@@ -493,6 +493,7 @@ def main(argv=None):
             rows.append(bench_model_context(MODELS[model], context, args.budgets, args, large_read, formulations))
     result["rows"] = rows
     result["load_end"] = cpu_load()
+    result["others_cpu"] = others_cpu()  # what other processes took of the cores meanwhile (quiet: about 0)
     result["wall_s"] = time.time() - start
     result["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ context): prefill seconds (compile apart), decode tokens/s (rows x steps per sec
 a warm-up), the bytes a step reads (weights plus the KV cache) as GB/s and as a share of a large read, and
 the FLOPs a step does as a share of a large float32 matmul, all measured in the same run.
 
-    kvjax bench decode --out eval/results/decode      # every width, batch 1 at 1K/4K/8K, batch 8 at 1K/2K
+    kvjax bench decode --out results/decode      # every width, batch 1 at 1K/4K/8K, batch 8 at 1K/2K
     kvjax bench decode --quick                        # a small smoke run
 
 With `--model NAME` (a fetched name or a .gguf file; `kvjax bench real` runs it for SmolLM2-135M), one real
@@ -16,7 +16,7 @@ model instead, batch 1, at each of `--dtypes`: both sides load the GGUF (kvjax t
 transformers through `from_pretrained(dir, gguf_file=...)`) and dequantise to the same floats; it writes
 bench_real.json (its own table, `render_model`):
 
-    kvjax bench decode --model smollm2-135m --out eval/results/real_speed   # 2K/4K/8K, float32 and bfloat16
+    kvjax bench decode --model smollm2-135m --out results/real_speed   # 2K/4K/8K, float32 and bfloat16
     kvjax bench decode --model smollm2-135m --quick                         # 256/512 tokens, float32
 """
 

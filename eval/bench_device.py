@@ -1,7 +1,7 @@
 """One call that measures a GPU or TPU: native kernel tests, the benchmark suite on the device, the same suite
 on the host's CPU, and their comparison, within a time budget (10 minutes by default).
 
-    kvjax bench device --out eval/results/suite/h100       # on the lent machine, from the repository root
+    kvjax bench device --out results/suite/h100       # on the lent machine, from the repository root
     kvjax bench device --dry-run                           # print the plan and exit
 
 Steps, each in its own process with what is left of the budget as its time limit (a step that runs out is

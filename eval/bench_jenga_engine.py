@@ -1,8 +1,8 @@
 """The batch engine on Jenga's pool against uniform pages, at a fixed KV memory: concurrent requests held, KV
 memory waste and prefix hits, on Gemma-3-shaped models (five sliding-window layers to one global).
 
-    python -m eval.bench_jenga_engine --out eval/results/jenga_engine                # tiny random model, served
-    python -m eval.bench_jenga_engine --model gemma3-270m --out eval/results/jenga_engine  # counted, 2K-16K
+    python -m eval.bench_jenga_engine --out results/jenga_engine                # tiny random model, served
+    python -m eval.bench_jenga_engine --model gemma3-270m --out results/jenga_engine  # counted, 2K-16K
 
 Each run submits `--requests` requests at once (`--max-rows` rows, more than memory allows) on a pool of
 `--uniform-rows` rows' worth of uniform pages (every layer holding the whole context, as paging did before

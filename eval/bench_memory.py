@@ -2,7 +2,7 @@
 
     python -m eval.bench_memory                       # 8K..64K full, 8K..128K Locret
     python -m eval.bench_memory --contexts 8192 16384 --locret-only-contexts 131072
-    python -m eval.bench_memory --model smollm2-135m --heads smollm2-135m --out eval/results/locret/memory
+    python -m eval.bench_memory --model smollm2-135m --heads smollm2-135m --out results/locret/memory
 
 With `--model` (a registered name, a directory or `.gguf`) the points load that model instead, and
 `--heads` names Locret's heads (a shipped name such as `smollm2-135m`, or a path); without it the

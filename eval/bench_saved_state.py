@@ -10,7 +10,7 @@ that cache (cold, cached: a user's later runs). Saved: `load_state(once=True)` +
 answers must be equal token for token. Sizes: the saved state's bytes on disk against the bytes of the
 uncompressed float32 cache of the same tokens (2 * layers * kv heads * tokens * head_dim * 4).
 
-    python -m eval.bench_saved_state --model smollm2-135m   # eval/results/saved_state/
+    python -m eval.bench_saved_state --model smollm2-135m   # results/saved_state/
 """
 
 from __future__ import annotations

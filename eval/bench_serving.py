@@ -7,11 +7,11 @@ averaged), the most requests of a fixed shape resident at once, requests complet
 and the prefix hit rate.
 
 Writes bench_serving[_quick].{json,md,png} under --out (default ./kvjax-results/serving; the committed
-run is in eval/results/serving). Served memory on a real model (the batch engine's pages against Jenga and
+run is in results/serving). Served memory on a real model (the batch engine's pages against Jenga and
 uniform paging of the same live requests) is measured by `eval/bench_load.py`.
 
     python -m eval.bench_serving --quick        # a minute or two
-    python -m eval.bench_serving                # the full run (committed with --out eval/results/serving)
+    python -m eval.bench_serving                # the full run (committed with --out results/serving)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How long the test suite takes: the README's `python -m pytest` (quick) or CI's whole set, timed in a fresh process.
 
-    python -m eval.bench_tests --out eval/results/tests               # the quick suite
-    python -m eval.bench_tests --whole --out eval/results/tests       # KVJAX_TEST_HEAVY=1 (CI's set)
+    python -m eval.bench_tests --out results/tests               # the quick suite
+    python -m eval.bench_tests --whole --out results/tests       # KVJAX_TEST_HEAVY=1 (CI's set)
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def render(payload: dict) -> str:
 
 
 def ci_runs(payload: dict) -> str:
-    """The line docs/testing.md shows for CI's recorded runs (eval/results/tests/ci_runs.json)."""
+    """The line docs/testing.md shows for CI's recorded runs (results/tests/ci_runs.json)."""
     runs = "; ".join(f"stop {run['stop']}: {run['result']} in {run['wall_s'] / 60:.1f} minutes ({run['wall_s']} s)"
                      for run in payload["runs"])
     return (f"CI's whole run (set-up and the whole set) as CI recorded it: {runs}; its budget "

@@ -5,7 +5,7 @@ rebuilt here from the same seed (they are deterministic: `eval.lib.retrieval.tas
 its needle's realised depth (the fraction of the filler before it). One table per (task, length) at one
 budget (default the sweep's largest): rows = policies, columns = depth bins; and a plot of the same.
 
-    python -m eval.depths --checkpoint eval/results/real/retrieval.batches.jsonl --model smollm2-135m \\
+    python -m eval.depths --checkpoint results/real/retrieval.batches.jsonl --model smollm2-135m \\
         --tasks real_passkey niah_single --lengths 2048 4096 --samples 50 --batch-size 10 --dense-layers 0
 """
 

@@ -219,7 +219,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch-size", type=int, default=5)
     parser.add_argument("--batches", type=int, default=None, help="batches per task in this call (resume later)")
     parser.add_argument("--chunk", type=int, default=512)
-    parser.add_argument("--out", default="eval/results/locret")
+    parser.add_argument("--out", default="results/locret")
     parser.add_argument("--name", default="locret_label_table")
     args = parser.parse_args(argv)
     enable_compilation_cache()  # later calls (more batches) reuse this one's compiled steps

@@ -197,7 +197,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--stabilizers", type=int, default=64)
     parser.add_argument("--local-tail", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=512)
-    parser.add_argument("--out", default="eval/results/locret")
+    parser.add_argument("--out", default="results/locret")
     parser.add_argument("--name", default="locret_oracle")
     args = parser.parse_args(argv)
     model = load_model(args.model)

@@ -3,10 +3,10 @@ evictors its paper compares with (SnapKV, Ada-SnapKV, H2O, StreamingLLM), per ta
 budget the sweeps measured, with each budget's share of the context (Locret's paper uses 1/16 and 1/8).
 
 Nothing is run here: the cells come from the sweeps' JSON (`eval.sweep`, committed under
-`eval/results/real/`), so this table and the sweep's agree by construction. Writes locret_real.{json,md,png}.
+`results/real/`), so this table and the sweep's agree by construction. Writes locret_real.{json,md,png}.
 
-    python -m eval.locret_real --sweeps eval/results/real/retrieval.json eval/results/real/retrieval_8k.json \\
-        --out eval/results/locret
+    python -m eval.locret_real --sweeps results/real/retrieval.json results/real/retrieval_8k.json \\
+        --out results/locret
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ def plot(cells: list[dict], path: str) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sweeps", nargs="+", default=["eval/results/real/retrieval.json",
-                                                         "eval/results/real/retrieval_8k.json"])
-    parser.add_argument("--out", default="eval/results/locret")
+    parser.add_argument("--sweeps", nargs="+", default=["results/real/retrieval.json",
+                                                         "results/real/retrieval_8k.json"])
+    parser.add_argument("--out", default="results/locret")
     parser.add_argument("--name", default="locret_real")
     args = parser.parse_args(argv)
     cells = locret_cells(args.sweeps)

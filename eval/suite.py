@@ -17,7 +17,7 @@
 # and a flat list of figures; DIR/run.md shows them. `kvjax bench compare` reads run.json files.
 #
 # Time of the default preset on 2 shared CPU cores (AMD EPYC), estimated from the committed results under
-# eval/results/: attention ~260 s (bench_attention.json wall_s), policies ~400 s (prefill + decode of ten
+# results/: attention ~260 s (bench_attention.json wall_s), policies ~400 s (prefill + decode of ten
 # policies at 8K: ~350 s, plus compiles), decode ~250 s (~155 s timed, plus building the 4-layer 1B-shape
 # model twice), real ~180 s at one dtype (2K/4K/8K on a 135M model), prefill ~40 s, large read ~10 s:
 # about 19 minutes, inside the 30-minute target with room for a loaded machine. --quick takes well under

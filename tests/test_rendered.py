@@ -42,23 +42,23 @@ def test_a_changed_figure_is_caught(tmp_path):
 
 
 def _result_folders() -> set[str]:
-    root = os.path.join(_render.ROOT, "eval", "results")
+    root = os.path.join(_render.ROOT, "results")
     return {os.path.relpath(folder, root) for folder, _, names in os.walk(root)
             if any(n.endswith(".json") for n in names)}
 
 
 def test_every_results_folder_names_its_command():
-    """eval/results/README.md lists every folder holding a JSON (a row may name several, or a parent
+    """results/README.md lists every folder holding a JSON (a row may name several, or a parent
     row cover its subfolders, e.g. `suite/run-a`)."""
-    index = open(os.path.join(_render.ROOT, "eval", "results", "README.md")).read()
+    index = open(os.path.join(_render.ROOT, "results", "README.md")).read()
     named = set(re.findall(r"`([\w./-]+)`", index))
     missing = sorted(f for f in _result_folders()
                      if not any(f == n or f.startswith(n + "/") for n in named))
-    assert not missing, f"eval/results/README.md gives no command for: {missing}"
+    assert not missing, f"results/README.md gives no command for: {missing}"
 
 
 def test_committed_results_carry_no_absolute_machine_path():
-    root = os.path.join(_render.ROOT, "eval", "results")
+    root = os.path.join(_render.ROOT, "results")
     pattern = re.compile(r'"(/(?:root|work|home|tmp|Users)/[^"]*)"')
     found = []
     for folder, _, names in os.walk(root):

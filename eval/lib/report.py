@@ -15,7 +15,7 @@ RUN_KIND = "kvjax-suite-run"  # the suite's run.json "kind" (eval/suite.py write
 
 def default_out(name: str) -> str:
     """Where a program writes when no `--out` is given: `./kvjax-results/<name>` in the working directory
-    (never beside the installed package). The committed results live under `eval/results/<name>`."""
+    (never beside the installed package). The committed results live under `results/<name>`."""
     return os.path.join(RESULTS_ROOT, name)
 
 

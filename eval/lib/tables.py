@@ -1,7 +1,7 @@
 """Renderers of the README's and docs' tables whose program writes no table of that shape itself.
 
 Each takes the committed JSON (a list where a block names several paths) and returns the block's Markdown,
-ending with the run's load: `<!-- render eval.lib.tables:dispatch eval/results/dispatch/bench_dispatch.json -->`."""
+ending with the run's load: `<!-- render eval.lib.tables:dispatch results/dispatch/bench_dispatch.json -->`."""
 
 from __future__ import annotations
 
