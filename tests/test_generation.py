@@ -108,6 +108,35 @@ def test_decode_last_feeds_the_tail_as_decode_steps(tiny):
     assert np.all(lp_plain <= 0)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 3.0])
+def test_tails_fed_in_the_decode_loop_equal_feeding_them_one_step_a_call(tiny, temperature):
+    """Ragged tails (5, 2 and 0 tokens) fed inside `decode_steps` give the tokens and log-probabilities of
+    feeding them one `append_token` call at a time (`feed_tokens`), then sampling; across three dispatches of
+    one program, with no `append_token` compiled on its own."""
+    from kvjax.engine.generation import continue_rows, feed_tokens
+
+    model = tiny
+    rows = random_tokens(41, (3, 20))
+    tails = [rows[0, 13:], rows[1, 18:], rows[2, 20:]]
+    heads = [rows[0, :13], rows[1, :18], rows[2, :20]]
+    sampling = dict(temperature=temperature, seed=5, return_logprobs=True, steps_per_dispatch=4)
+
+    def prefilled():
+        state, logits = kvjax.prefill(model, rows[:, :13], max_new_tokens=24)
+        return feed_tokens(model, state, logits, [h[13:] for h in heads], kvjax.make_policy("full"))
+
+    state, logits = prefilled()
+    with count_compiles() as compiled:
+        fed, lp_fed = continue_rows(model, state, logits, tails, 10, kvjax.make_policy("full"), **sampling)
+    state, logits = prefilled()
+    state, logits = feed_tokens(model, state, logits, tails, kvjax.make_policy("full"))
+    reference, lp_reference = continue_rows(model, state, logits, [np.zeros(0, np.int32)] * 3, 10,
+                                            kvjax.make_policy("full"), **sampling)
+    np.testing.assert_array_equal(fed, reference)
+    np.testing.assert_allclose(lp_fed, lp_reference, atol=1e-5)
+    assert compiled.of("decode_steps") == 1 and compiled.of("append_token") == 0, compiled
+
+
 def test_eos_stops_and_fills_minus_one(tiny):
     model = tiny
     prompt = random_tokens(50, (2, 12))

@@ -35,21 +35,29 @@ class Dispatch(NamedTuple):
     donate_argnames=("state",),
 )
 def decode_steps(
-    params, state: KVState, logits, pending, key, done, eos, limit, *, step: Callable, steps: int,
-    cfg: ModelConfig, dtype, policy: Policy, temperature: float, top_k: int, top_p: float,
+    params, state: KVState, logits, pending, key, done, eos, limit, feed=None, feed_len=None, *, step: Callable,
+    steps: int, cfg: ModelConfig, dtype, policy: Policy, temperature: float, top_k: int, top_p: float,
 ) -> Dispatch:
     """Run at most `steps` decode steps (module docstring) from `pending int32[B]`, `key` (one key, or
     `[B, 2]` per row), `done bool[B]`; `eos int32[E]` are the stop tokens, `limit int32[]` or `int32[B]` the
     steps each row may still take. `step` is a `StepBackend.append_token` (static: one program per backend
-    and shape). Donates `state`."""
+    and shape). Donates `state`.
+
+    With `feed int32[B, F]` (row b's first `feed_len[b]` tokens: a question fed by decode, ragged as
+    `feed_tokens` feeds it), the loop first appends those, sampling nothing, and the dispatch's first token is
+    sampled from the logits after them (so `pending` is unused, and `limit` counts the steps after that
+    token): the question and the answer in one program, one step compiled."""
     B = pending.shape[0]
     tokens = jnp.full((B, steps), -1, jnp.int32)
     logprobs = jnp.full((B, steps), jnp.nan, jnp.float32)
     limit = jnp.broadcast_to(limit, (B,))
     per_row_keys = key.ndim == 2
+    # n: the feeding steps; step i appends generated tokens from i = n on, its sample is column i - first
+    n = jnp.int32(0) if feed is None else jnp.max(feed_len, initial=0).astype(jnp.int32)
+    first = jnp.maximum(n - 1, 0)
 
     def live(i, done):
-        return ~done & (i < limit)
+        return ~done & (i - n < limit)
 
     def sample(logits, key):
         if not per_row_keys:
@@ -65,23 +73,34 @@ def decode_steps(
 
     def cond(carry):
         i, done = carry[0], carry[5]
-        return (i < steps) & jnp.any(live(i, done))
+        return (i - first < steps) & ((i < n) | jnp.any(live(i, done)))
 
     def body(carry):
         i, state, logits, pending, key, done, tokens, logprobs = carry
-        appending = live(i, done)
-        state, logits = step(params, state, pending, appending.astype(jnp.int32), logits, cfg=cfg, dtype=dtype,
+        if feed is None:
+            token, appending = pending, live(i, done)
+        else:
+            feeding = i < n
+            token = jnp.where(feeding, feed[:, jnp.minimum(i, feed.shape[1] - 1)], pending)
+            appending = jnp.where(feeding, i < feed_len, live(i, done))
+        state, logits = step(params, state, token, appending.astype(jnp.int32), logits, cfg=cfg, dtype=dtype,
                              policy=policy)
-        key, new, new_logprobs = sample(logits, key)
-        tokens = tokens.at[:, i].set(jnp.where(appending, new, -1))
-        logprobs = logprobs.at[:, i].set(jnp.where(appending, new_logprobs, jnp.nan))
-        done = done | (appending & jnp.isin(new, eos))
-        return i + 1, state, logits, jnp.where(appending, new, pending), key, done, tokens, logprobs
+        emits = appending if feed is None else jnp.where(i < first, False, (i < n) | appending)
+        if feed is None:
+            key, new, new_logprobs = sample(logits, key)
+        else:  # nothing sampled (nor a key split) while the question is fed
+            key, new, new_logprobs = jax.lax.cond(
+                i < first, lambda: (key, pending, jnp.zeros((B,), jnp.float32)), lambda: sample(logits, key))
+        column = jnp.clip(i - first, 0, steps - 1)
+        tokens = tokens.at[:, column].set(jnp.where(emits, new, tokens[:, column]))
+        logprobs = logprobs.at[:, column].set(jnp.where(emits, new_logprobs, logprobs[:, column]))
+        done = done | (emits & jnp.isin(new, eos))
+        return i + 1, state, logits, jnp.where(emits, new, pending), key, done, tokens, logprobs
 
-    count, state, logits, pending, key, done, tokens, logprobs = jax.lax.while_loop(
+    end, state, logits, pending, key, done, tokens, logprobs = jax.lax.while_loop(
         cond, body, (jnp.int32(0), state, logits, pending, key, done, tokens, logprobs)
     )
-    return Dispatch(state, logits, pending, key, done, tokens, logprobs, count)
+    return Dispatch(state, logits, pending, key, done, tokens, logprobs, end - first)
 
 
 __all__ = ["Dispatch", "decode_steps"]

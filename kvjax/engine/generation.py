@@ -299,6 +299,19 @@ def feed_tokens(
     return (state, logits, nll) if return_nll else (state, logits)
 
 
+def fed_rows(tails: Sequence[np.ndarray], backend: StepBackend) -> tuple[jax.Array, jax.Array] | None:
+    """`(feed int32[B, F], feed_len int32[B])` for `decode_steps` to feed `tails[b]` (F a power of two, at
+    least 8, so questions of nearby lengths share a program), or None when every tail is empty."""
+    lengths = np.array([len(r) for r in tails], np.int32)
+    longest = int(lengths.max(initial=0))
+    if longest == 0:
+        return None
+    feed = np.zeros((len(tails), max(8, 1 << (longest - 1).bit_length())), np.int32)
+    for b, row in enumerate(tails):
+        feed[b, : len(row)] = row
+    return backend.put(feed), backend.put(lengths)
+
+
 def continue_rows(
     model: Model, state: KVState, logits: jax.Array, tails: Sequence[np.ndarray], max_new_tokens: int,
     policy: Policy, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -306,11 +319,12 @@ def continue_rows(
     backend: StepBackend | None = None, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
     on_tokens: Callable[[int, np.ndarray], bool | None] | None = None,
 ):
-    """Generation from a prefilled (and compressed) state: feed each row's `tails[b]` by decode
-    (`feed_tokens`; Quest's protocol for the question), then sample up to `max_new_tokens` per row, as
-    `generate` does. The first token is sampled from the prefill's logits; the rest come from
-    `kvjax.engine.decode_loop.decode_steps`, `steps_per_dispatch` decode steps (sampling and EOS included) per
-    call to the device, so the host waits once per dispatch rather than once per token.
+    """Generation from a prefilled (and compressed) state: feed each row's `tails[b]` by decode (Quest's
+    protocol for the question), then sample up to `max_new_tokens` per row, as `generate` does. Everything
+    runs in `kvjax.engine.decode_loop.decode_steps`, `steps_per_dispatch` decode steps (sampling and EOS
+    included) per call to the device, so the host waits once per dispatch rather than once per token; the
+    first dispatch feeds the tails too (the first token is sampled from the logits after them, or, with no
+    tails, from the prefill's logits on its own).
 
     `on_tokens(t, tokens int32[B, n])` (streaming) sees each block of new tokens as it arrives, tokens
     t .. t + n - 1 (-1 after a row's EOS); returning True stops generation there (the rest stays -1).
@@ -320,23 +334,30 @@ def continue_rows(
         raise ValueError(f"steps_per_dispatch must be >= 1, got {steps_per_dispatch}")
     eos = model.eos_token_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
     eos_array = np.asarray(eos, np.int32).reshape(-1)
-    state, logits = feed_tokens(model, state, logits, tails, policy, backend)
     B = len(tails)
     out = np.full((B, max_new_tokens), -1, np.int32)
     out_logprobs = np.full((B, max_new_tokens), np.nan, np.float32)
-    key, step_key = jax.random.split(jax.random.PRNGKey(seed))
-    pending, logprobs = sample_first_tokens(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)
-    out[:, 0], out_logprobs[:, 0] = backend.fetch(pending), backend.fetch(logprobs)
-    done = np.isin(out[:, 0], eos_array)
+    key = jax.random.PRNGKey(seed)
+    done = np.zeros(B, bool)
+    pending = backend.put(np.zeros(B, np.int32))
+    feed = fed_rows(tails, backend)
+    if feed is None:  # the first token from the prefill's logits, on its own
+        key, step_key = jax.random.split(key)
+        pending, logprobs = sample_first_tokens(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)
+        out[:, 0], out_logprobs[:, 0] = backend.fetch(pending), backend.fetch(logprobs)
+        done = np.isin(out[:, 0], eos_array)
     done_device, eos_device = jnp.asarray(done), jnp.asarray(eos_array)
-    stopped = on_tokens is not None and bool(on_tokens(0, out[:, :1]))
-    t = 1
+    stopped = feed is None and on_tokens is not None and bool(on_tokens(0, out[:, :1]))
+    t = 0 if feed is not None else 1
     while t < max_new_tokens and not done.all() and not stopped:
-        run = decode_steps(
-            model.params, state, logits, pending, key, done_device, eos_device, jnp.int32(max_new_tokens - t),
+        run = decode_steps(  # the first dispatch feeds the tails, if any, and samples the first token after them
+            model.params, state, logits, pending, key, done_device, eos_device,
+            jnp.int32(max_new_tokens - t - (feed is not None and t == 0)), *(feed or ()),
             step=backend.append_token, steps=steps_per_dispatch, cfg=model.cfg, dtype=model.dtype, policy=policy,
             temperature=temperature, top_k=top_k, top_p=top_p,
         )
+        if feed is not None:  # later dispatches feed nothing, through the same program
+            feed = (feed[0], backend.put(np.zeros(B, np.int32)))
         state, logits, pending, key, done_device = run.state, run.logits, run.pending, run.key, run.done
         count = int(run.count)
         out[:, t : t + count] = backend.fetch(run.tokens)[:, :count]

@@ -550,17 +550,26 @@ def question_fed(model: Model, saved: SavedState, question_ids: Sequence[int] | 
     copy) and a second question on it is refused. Raises `CacheCapacityError` before any work when the
     question and `max_new_tokens` more need more than the state's room."""
     rows = question_rows(model, saved, question_ids, max_new_tokens)
+    return feed_tokens(model, _decodable(saved), _saved_logits(model, saved, len(rows)), rows, saved.policy,
+                       saved.backend)
+
+
+def _decodable(saved: SavedState) -> KVState:
+    """The state a question decodes on: a copy (decode donates its state: the saved one serves many
+    questions), or, loaded with `once`, the saved state itself, refused once it has answered."""
     if not saved.once:
-        state = jax.tree.map(jnp.copy, saved.state)  # decode donates its state: the saved one serves many questions
-    elif any(x.is_deleted() for x in jax.tree.leaves(saved.state) if isinstance(x, jax.Array)):
+        return jax.tree.map(jnp.copy, saved.state)
+    if any(x.is_deleted() for x in jax.tree.leaves(saved.state) if isinstance(x, jax.Array)):
         raise ValueError("this saved state was loaded with once=True and has answered its question (decode took "
                          "over its buffers): load it again, or without once to ask it many")
-    else:
-        state = saved.state
-    logits = saved.logits
-    if logits is None:
-        logits = saved.backend.put(np.zeros((len(rows), model.cfg.vocab_size), np.float32))
-    return feed_tokens(model, state, logits, rows, saved.policy, saved.backend)
+    return saved.state
+
+
+def _saved_logits(model: Model, saved: SavedState, rows: int) -> jax.Array:
+    """The prefill's last logits `f32[rows, V]`, or zeros where none were saved (a question is fed first)."""
+    if saved.logits is not None:
+        return saved.logits
+    return saved.backend.put(np.zeros((rows, model.cfg.vocab_size), np.float32))
 
 
 def question_rows(model: Model, saved: SavedState, question_ids: Sequence[int] | Sequence[Sequence[int]] = (),
@@ -589,12 +598,12 @@ def question_rows(model: Model, saved: SavedState, question_ids: Sequence[int] |
 
 def generate_from_state(model: Model, saved: SavedState, question_ids: Sequence[int] | Sequence[Sequence[int]] = (),
                         max_new_tokens: int = 32, **sampling: Any):
-    """Feed `question_ids` to a copy of the saved state (`question_fed`; with `once`, to the state itself), then
-    sample up to `max_new_tokens`:
+    """Feed `question_ids` to a copy of the saved state (with `once`, to the state itself) and sample up to
+    `max_new_tokens`, in one decode program (`continue_rows`):
     `int32[B, max_new_tokens]`, as `generate` returns (`sampling`: `continue_rows`'s options)."""
-    state, logits = question_fed(model, saved, question_ids, max_new_tokens)
-    no_tail = [np.zeros((0,), np.int32)] * held_rows(saved)
-    result = continue_rows(model, state, logits, no_tail, max_new_tokens, saved.policy, backend=saved.backend, **sampling)
+    rows = question_rows(model, saved, question_ids, max_new_tokens)
+    result = continue_rows(model, _decodable(saved), _saved_logits(model, saved, len(rows)), rows, max_new_tokens,
+                           saved.policy, backend=saved.backend, **sampling)
     B = saved.header["batch"]  # padding rows dropped
     return tuple(x[:B] for x in result) if isinstance(result, tuple) else result[:B]
 
