@@ -58,11 +58,15 @@ def answer(args) -> dict:
         def run():
             return None, kvjax.generate(model, [sample["context_ids"] + question], new, policy,
                                         decode_last=len(question))[0]
+    from kvjax.util.compile_count import count_compiles
+
     out["load_s"] = []  # the saved state's loads (of the calls' times)
     for name in ("cold", "warm")[: args.calls]:
         start = time.perf_counter()
-        _, tokens = run()
+        with count_compiles() as built:
+            _, tokens = run()
         out[f"{name}_s"] = time.perf_counter() - start
+        out[f"{name}_programs"] = dict(built.by_name)  # the programs this call built, by jitted function name
     out["tokens"] = [int(t) for t in tokens]
     print(json.dumps(out))
     return out
@@ -112,12 +116,15 @@ def render(payload: dict) -> str:
            "warm = second call of the first" if cached else
            "`load_state` + `generate_from_state`; prefill: `generate(decode_last=...)`; cold = first call of a fresh "
            "process (compiles, no compilation cache), warm = second call")
+    built = [f"{name}: {', '.join(f'{p} {n}' for p, n in sorted(run['saved']['cold_programs'].items()))}"
+             for name, run in payload["runs"].items() if "cold_programs" in run["saved"]]
+    programs = f" Programs the saved answer built cold: {'; '.join(built)}." if built else ""
     return (markdown_table(columns, rows)
             + f"\n{payload['model']}, a {payload['tokens']}-token passkey document and its question "
               f"({payload['question_tokens']} tokens, fed by decode), {payload['max_new_tokens']} new tokens, greedy; "
               f"the full float32 cache of those tokens: {payload['full_float32_bytes'] / 2**20:.0f} MiB. Saved: "
               f"{how}; model loading "
-              f"({payload['model_load_s']:.1f} s) excluded. {payload['machine'].get('cpu_model', '')}, "
+              f"({payload['model_load_s']:.1f} s) excluded.{programs} {payload['machine'].get('cpu_model', '')}, "
               f"{payload['machine']['cpu_count']} cores. "
               f"{load_line(payload)}\n")
 

@@ -44,6 +44,9 @@ class KeySketch(NamedTuple):
     params: Any = None  # pytree of arrays, read by the selector that attached the sketch
 
 
+EMPTY_PAGE = {"kmin": np.inf, "kmax": -np.inf, "slot_pos": -1}  # what a free page's fields hold (others 0)
+
+
 @struct.dataclass
 class KVState:
     """Paged KV cache. N = num_pages, ps = page_size, D = head_dim, L = layers, B = batch, H = kv heads,
@@ -189,9 +192,9 @@ def _empty_state(N, page_size, D, L, batch, H, max_pages, stored, meta_dtype, qu
     return KVState(
         k_pages=jnp.zeros((N, page_size, D), stored),
         v_pages=jnp.zeros((N, page_size, D), stored),
-        kmin=jnp.full((N, D), jnp.inf, meta_dtype),
-        kmax=jnp.full((N, D), -jnp.inf, meta_dtype),
-        slot_pos=jnp.full((N, page_size), -1, jnp.int32),
+        kmin=jnp.full((N, D), EMPTY_PAGE["kmin"], meta_dtype),
+        kmax=jnp.full((N, D), EMPTY_PAGE["kmax"], meta_dtype),
+        slot_pos=jnp.full((N, page_size), EMPTY_PAGE["slot_pos"], jnp.int32),
         slot_score=jnp.zeros((N, page_size), jnp.float32),
         page_table=jnp.full((L, batch, H, max_pages), -1, jnp.int32),
         lengths=jnp.zeros((L, batch, H), jnp.int32),
@@ -250,9 +253,9 @@ def allocate_for_append(state: KVState, num_new: jax.Array, max_new_tokens: int)
         page_table=page_table.reshape(L, B, H, P),
         num_free=jnp.where(ok, state.num_free - total, state.num_free),
         refcount=state.refcount.at[page].set(1, mode="drop"),
-        kmin=state.kmin.at[page].set(jnp.inf, mode="drop"),
-        kmax=state.kmax.at[page].set(-jnp.inf, mode="drop"),
-        slot_pos=state.slot_pos.at[page].set(-1, mode="drop"),
+        kmin=state.kmin.at[page].set(EMPTY_PAGE["kmin"], mode="drop"),
+        kmax=state.kmax.at[page].set(EMPTY_PAGE["kmax"], mode="drop"),
+        slot_pos=state.slot_pos.at[page].set(EMPTY_PAGE["slot_pos"], mode="drop"),
         slot_score=state.slot_score.at[page].set(0.0, mode="drop"),
         overflow=overflow,
     )
@@ -409,6 +412,7 @@ def set_slot_scores(state: KVState, layer, scores: jax.Array) -> KVState:
 
 __all__ = [
     "CacheCapacityError",
+    "EMPTY_PAGE",
     "KVState",
     "KeySketch",
     "allocate_for_append",

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.state import CacheCapacityError, KeySketch, KVState, init_state, pages_for
+from kvjax.cache.state import EMPTY_PAGE, CacheCapacityError, KeySketch, KVState, init_state, pages_for
 from kvjax.engine.api import as_token_row, policy_or_full
 from kvjax.engine.generation import continue_rows, feed_tokens
 from kvjax.engine.step import LOCAL_BACKEND, StepBackend
@@ -36,7 +36,6 @@ HEADER_FILE, TENSOR_FILE = "header.json", "state.safetensors"
 PAGE_FIELDS = ("k_pages", "v_pages", "kmin", "kmax", "slot_pos", "slot_score", "k_scale", "v_scale")
 POOL_TENSORS = (*PAGE_FIELDS, "key_sketch.codes")  # tensors with a row per saved page
 ROW_FIELDS = ("page_table", "lengths", "hole", "next_position")
-EMPTY_PAGE = {"kmin": np.inf, "kmax": -np.inf, "slot_pos": -1}  # what an unallocated page holds (else 0)
 
 
 class SavedStateError(ValueError):
@@ -465,7 +464,7 @@ def _read_shards(file: str, header: dict, cfg, room: int, policy: Policy, shards
     if (table.min(initial=0) < -1 or table.max(initial=-1) >= header["pages"] or small["lengths"].min(initial=0) < 0
             or small["lengths"].max(initial=0) > header["table_width"] * ps):
         value = file_checksum(file, kind)  # before sizing a pool by them: a damaged file, or one not save_state's
-        raise SavedStateError(f"{file}: corrupt (checksum {kind} {value}, saved {expected[kind]})" if value != expected[kind]
+        raise SavedStateError(_corrupt(file, kind, value, expected) if value != expected[kind]
                               else f"{file}: corrupt (page table or lengths out of range)")
     Sd, Sm = shards
     if (B % Sd and not pad_rows) or H % Sm:
@@ -504,12 +503,16 @@ def _read_shards(file: str, header: dict, cfg, room: int, policy: Policy, shards
 
     arrays, value = read_all(file, entries, into, kind)
     if value != expected[kind]:
-        raise SavedStateError(f"{file}: corrupt (checksum {kind} {value}, saved {expected[kind]})")
+        raise SavedStateError(_corrupt(file, kind, value, expected))
     states = [[None] * Sm for _ in range(Sd)]
     for d, m in np.ndindex(Sd, Sm):
         part, pool = parts[d][m], pools[d][m]
         states[d][m] = _assembled(header, part, pool, arrays, used if whole else part.pages.size, width, b, h)
     return states, rows.get("logits"), device
+
+
+def _corrupt(file: str, kind: str, value, expected: dict) -> str:
+    return f"{file}: corrupt (checksum {kind} {value}, saved {expected[kind]})"
 
 
 def _assembled(header: dict, part: _Shard, pool: dict, arrays: dict, used: int, width: int, b: int, h: int) -> KVState:
