@@ -137,6 +137,23 @@ def test_tails_fed_in_the_decode_loop_equal_feeding_them_one_step_a_call(tiny, t
     assert compiled.of("decode_steps") == 1 and compiled.of("append_token") == 0, compiled
 
 
+def test_a_first_generate_builds_four_programs():
+    """A first `generate` (a config, batch and prompt no other test uses, so nothing comes from JAX's caches)
+    builds the empty state, the prefill chunk, the first token's sample and the decode loop, and nothing
+    else: a host array put with `jnp.asarray` (a program per shape in JAX 0.10), a key split or a
+    `jnp.zeros` outside them would each add one (and reading each costs a warm start)."""
+    from kvjax.models.config import ModelConfig
+    from kvjax.models.loading import Model, init_params
+
+    cfg = ModelConfig(model_type="llama", max_position_embeddings=256, vocab_size=89, hidden_size=24,
+                      intermediate_size=40, num_layers=2, num_heads=3, num_kv_heads=1, head_dim=8)
+    model = Model(cfg, init_params(cfg, seed=0))
+    with count_compiles() as built:
+        kvjax.generate(model, random_tokens(43, (3, 29), vocab=89), max_new_tokens=3)
+    assert dict(built.by_name) == {"_empty_state": 1, "append_chunk": 1, "sample_first_tokens": 1,
+                                   "decode_steps": 1}, built
+
+
 def test_eos_stops_and_fills_minus_one(tiny):
     model = tiny
     prompt = random_tokens(50, (2, 12))

@@ -117,7 +117,7 @@ def forward_logits(model: Model, tokens) -> jax.Array:
     rows = as_token_lists(tokens, model.cfg.vocab_size, "tokens")
     if len({len(r) for r in rows}) != 1:
         raise ValueError("forward_logits takes equal-length rows; pad them or call it once per row")
-    array = jnp.asarray(np.stack(rows))
+    array = jax.device_put(np.stack(rows))
     long_rope = uses_long_factors(model.cfg, array.shape[1])
     return _dense_logits(model.params, array, cfg=model.cfg, dtype=model.dtype, long_rope=long_rope)
 
@@ -166,7 +166,7 @@ def decode_step(model: Model, state: KVState, token_ids, policy: Policy | None =
     if tokens.shape[0] != B:
         raise ValueError(f"token_ids has {tokens.shape[0]} entries but the state holds {B} sequences")
     as_token_lists(tokens[:, None], model.cfg.vocab_size, "token_ids")
-    logits, state = _decode_tokens(model, state, jnp.asarray(tokens), policy)
+    logits, state = _decode_tokens(model, state, jax.device_put(tokens), policy)
     error = overflow_error(state)
     if error is not None:
         raise error

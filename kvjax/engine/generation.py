@@ -197,7 +197,7 @@ def prefill_chunk_steps(
             yield
         return state, last_queries, logits
 
-    logits = backend.put(jnp.zeros((B, cfg.vocab_size), jnp.float32))
+    logits = backend.put(np.zeros((B, cfg.vocab_size), np.float32))
     last_queries = None if compressor is None else new_last_queries(cfg, B, compressor.window_size, model.dtype)
     head = [r[: len(r) - t] for r, t in zip(rows, tails)]
     C = _chunk_size_for(max(len(r) for r in head), chunk_size)
@@ -342,17 +342,16 @@ def continue_rows(
     pending = backend.put(np.zeros(B, np.int32))
     feed = fed_rows(tails, backend)
     if feed is None:  # the first token from the prefill's logits, on its own
-        key, step_key = jax.random.split(key)
-        pending, logprobs = sample_first_tokens(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)
+        pending, logprobs, key = sample_first_tokens(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
         out[:, 0], out_logprobs[:, 0] = backend.fetch(pending), backend.fetch(logprobs)
         done = np.isin(out[:, 0], eos_array)
-    done_device, eos_device = jnp.asarray(done), jnp.asarray(eos_array)
+    done_device, eos_device = jax.device_put(done), jax.device_put(eos_array)
     stopped = feed is None and on_tokens is not None and bool(on_tokens(0, out[:, :1]))
     t = 0 if feed is not None else 1
     while t < max_new_tokens and not done.all() and not stopped:
         run = decode_steps(  # the first dispatch feeds the tails, if any, and samples the first token after them
             model.params, state, logits, pending, key, done_device, eos_device,
-            jnp.int32(max_new_tokens - t - (feed is not None and t == 0)), *(feed or ()),
+            np.int32(max_new_tokens - t - (feed is not None and t == 0)), *(feed or ()),
             step=backend.append_token, steps=steps_per_dispatch, cfg=model.cfg, dtype=model.dtype, policy=policy,
             temperature=temperature, top_k=top_k, top_p=top_p,
         )

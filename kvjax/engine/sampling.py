@@ -37,9 +37,11 @@ def sample_tokens(
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
 def sample_first_tokens(logits, key, *, temperature: float, top_k: int, top_p: float):
-    """`sample_tokens` as its own jitted call: the first token of a generation, from the prefill's logits
-    (`generate` and the serving engine sample it this way, so both choose alike)."""
-    return sample_tokens(logits, key, temperature, top_k, top_p)
+    """The first token of a generation from the prefill's logits, by the generation's `key` (split once
+    here, as the decode loop splits it each step): `(tokens int32[B], log-probabilities f32[B], the key
+    after)`. One jitted call (`generate` and the serving engine sample it this way, so both choose alike)."""
+    key, step_key = jax.random.split(key)
+    return (*sample_tokens(logits, step_key, temperature, top_k, top_p), key)
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:

@@ -318,7 +318,8 @@ def local_state(cfg, batch, capacity, page_size, num_pages, dtype, long_rope, re
     return state.replace(read_pages=read_pages)
 
 
-LOCAL_BACKEND = StepBackend(local_state, append_chunk, append_token, compress_step, overflow_error, jnp.asarray)
+# `put`: jax.device_put, not jnp.asarray, which builds a program per shape and dtype (JAX 0.10)
+LOCAL_BACKEND = StepBackend(local_state, append_chunk, append_token, compress_step, overflow_error, jax.device_put)
 
 
 __all__ = [

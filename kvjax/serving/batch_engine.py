@@ -437,9 +437,9 @@ class BatchEngine:
     def _first_token(self, request: BatchRequest, logits: jax.Array) -> tuple[int, float, jax.Array]:
         """The request's first token sampled from `logits f32[1, V]` as `generate` samples it, its log-prob,
         and the request's PRNG key after."""
-        key, step_key = jax.random.split(jax.random.PRNGKey(request.seed))
-        token, logprob = sample_first_tokens(logits, step_key, temperature=request.temperature, top_k=request.top_k,
-                                             top_p=request.top_p)
+        token, logprob, key = sample_first_tokens(logits, jax.random.PRNGKey(request.seed),
+                                                  temperature=request.temperature, top_k=request.top_k,
+                                                  top_p=request.top_p)
         return int(token[0]), float(logprob[0]), key
 
     def _insert_ready(self) -> None:
