@@ -235,3 +235,18 @@ def test_write_slots_overwrites_exactly_those_slots_and_keeps_metadata_exact(lla
         np.testing.assert_array_equal(np.asarray(gather_layer(written, layer)[0]), np.asarray(gather_layer(state, layer)[0]))
     np.testing.assert_array_equal(np.asarray(written.lengths), np.asarray(state.lengths))
     np.testing.assert_array_equal(np.asarray(written.slot_pos), np.asarray(state.slot_pos))
+
+
+def test_a_copied_state_is_a_new_state_by_one_program():
+    """`kvjax.util.trees.copied` (a saved state's copy per question, a shared prefill's per use): equal arrays
+    in buffers of their own, so a step may donate the copy, by one program (a copy per leaf built ten)."""
+    from kvjax.util.compile_count import count_compiles
+    from kvjax.util.trees import copied
+
+    state = init_state(kvjax.load_model("tiny").cfg, 2, 48, 16, num_pages=23)
+    with count_compiles() as built:
+        copy = copied(state)
+    assert built.total == 1, built
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(copy)):
+        np.testing.assert_array_equal(a, b)
+        assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()

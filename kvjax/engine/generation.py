@@ -22,6 +22,7 @@ from kvjax.engine.sampling import sample_first_tokens, validate_sampling
 from kvjax.cache.state import CacheCapacityError, KVState, pages_for
 from kvjax.engine.reconstruction import score_by_reconstruction
 from kvjax.engine.step import LOCAL_BACKEND, StepBackend, compressor_acts, new_last_queries
+from kvjax.util.trees import copied
 
 DEFAULT_CHUNK_SIZE = 512
 DEFAULT_STEPS_PER_DISPATCH = 16  # decode steps per device call in generate (kvjax.engine.decode_loop)
@@ -207,7 +208,7 @@ def prefill_chunk_steps(
         if done % C or done > len(head[0]):
             raise ValueError(f"a prefill of {len(head[0])} tokens in chunks of {C} cannot resume after {done} tokens")
         state = insert_row(state, resume.state, jnp.int32(0))
-        last_queries = None if last_queries is None else jax.tree.map(jnp.copy, resume.last_queries)
+        last_queries = None if last_queries is None else copied(resume.last_queries)
         logits = jnp.copy(resume.logits)
         head = [r[done:] for r in head]
     state, last_queries, logits = yield from run_chunks(state, last_queries, logits, head, per_chunk, C, done)

@@ -28,6 +28,7 @@ from kvjax.policies import POLICY_REGISTRY, Policy, layer_roles
 from kvjax.util.tensor_file import (
     CHECKSUMS, TensorFileError, aligned_empty, file_checksum, read_all, read_small, tensor_index,
 )
+from kvjax.util.trees import copied
 
 FORMAT, VERSION = "kvjax.saved_state", 2
 READS = (1, 2)  # versions read: 2 is checked by xxh3-64, which a reader of 1 would not check
@@ -561,7 +562,7 @@ def _decodable(saved: SavedState) -> KVState:
     """The state a question decodes on: a copy (decode donates its state: the saved one serves many
     questions), or, loaded with `once`, the saved state itself, refused once it has answered."""
     if not saved.once:
-        return jax.tree.map(jnp.copy, saved.state)
+        return copied(saved.state)
     if any(x.is_deleted() for x in jax.tree.leaves(saved.state) if isinstance(x, jax.Array)):
         raise ValueError("this saved state was loaded with once=True and has answered its question (decode took "
                          "over its buffers): load it again, or without once to ask it many")

@@ -18,6 +18,7 @@ from kvjax.engine.generation import (
 from kvjax.models.loading import Model
 from kvjax.policies import Compressor, Policy, PromptView
 from kvjax.cache.state import KVState
+from kvjax.util.trees import copied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +100,7 @@ def derive(model: Model, shared: SharedPrefill, policy: Policy | None) -> tuple[
     `kvjax.engine.generation.continue_rows` or `decode_step`. `shared` stays usable."""
     policy = policy_or_full(policy)
     capture_for([policy])  # the chunk-schedule check
-    state = jax.tree.map(jnp.copy, shared.state)
+    state = copied(shared.state)
     compressor = policy.compressor
     if compressor is None or not compressor.accumulates_attention:
         state = state.replace(slot_score=jnp.zeros_like(state.slot_score))

@@ -14,6 +14,7 @@ from kvjax.engine.generation import PrefillCarry
 from kvjax.util.hashing import chain_hashes
 from kvjax.util.lru import BytesLRU
 from kvjax.cache.rows import narrow_row
+from kvjax.util.trees import copied
 
 
 def chunk_boundaries(prompt: Sequence[int], chunk: int) -> list[tuple[int, bytes]]:
@@ -90,7 +91,7 @@ class PrefixStates:
             return
         if self.lru.max_bytes == 0:
             return
-        copy = PrefillCarry(narrow_row(carry.state), jax.tree.map(jnp.copy, carry.last_queries),
+        copy = PrefillCarry(narrow_row(carry.state), copied(carry.last_queries),
                             jnp.copy(carry.logits), carry.tokens)
         evicted = self.lru.evicted
         if self.lru.put(name, copy, carry_bytes(copy)):
