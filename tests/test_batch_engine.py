@@ -49,15 +49,15 @@ def _alone(model, prompt, max_new, decode_last, policy, **sampling):
     return tokens[0][keep].tolist(), logprobs[0][keep]
 
 
-def _check_engine(model, policy, sampling=None, steps=4):
+def _check_engine(model, policy, sampling=None, steps=4, requests=REQUESTS):
     sampling = sampling or {}
     rows = prompts(batch=5)
     engine = BatchEngine(model, max_rows=2, capacity=CAPACITY, page_size=PAGE_SIZE, chunk_size=CHUNK,
                          steps_per_dispatch=steps)
     ids = [engine.submit(rows[i], n, policy, decode_last=d, eos_token_id=-1, seed=10 + i, **sampling)
-           for i, n, d in REQUESTS]
+           for i, n, d in requests]
     out = engine.run()
-    for rid, (i, n, d) in zip(ids, REQUESTS):
+    for rid, (i, n, d) in zip(ids, requests):
         tokens, logprobs = _alone(model, rows[i], n, d, policy, seed=10 + i, **sampling)
         assert out[rid].tokens == tokens, f"request {rid}"
         np.testing.assert_allclose(out[rid].logprobs, logprobs, atol=2e-4)
@@ -70,6 +70,14 @@ def _check_engine(model, policy, sampling=None, steps=4):
 def test_engine_equals_generate_per_request(model, cases, case_id):
     engine = _check_engine(model, cases[case_id].policy)
     assert engine.dispatches < sum(n for _, n, _ in REQUESTS)  # rows really shared dispatches
+
+
+def test_engine_on_int8_pages_equals_generate(model, cases):
+    """int8 pages (`kvjax serve --kv-dtype int8`): each request's tokens and log-probabilities equal `generate`'s
+    on the same int8 pages, under H2O (compression after prefill, then eviction while decoding), so a row's
+    per-slot scales travel with its pages into the batch and through its holes."""
+    # three requests through two rows (one joins a row another has left), no decode tail: few programs
+    _check_engine(model.with_kv_dtype("int8"), cases["h2o"].policy, requests=[(0, 9, 0), (1, 4, 0), (2, 6, 0)])
 
 
 SELECTORS = {  # every page selector, selecting in layer 1 of 2 at 3 pages of 8 slots a head

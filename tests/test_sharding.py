@@ -151,7 +151,7 @@ def _check_matrix_case(run: dict, case_id: str) -> None:
     _check_generation(run)
 
 
-@pytest.mark.heavy  # the quick suite's sharded runs are `results`' five meshes; CI's set adds the matrix
+@pytest.mark.heavy  # the quick suite's sharded runs are `results`' four meshes; CI's set adds the matrix
 @pytest.mark.parametrize("case_id", _matrix_params(quick=True))
 def test_policy_matrix_on_a_two_device_mesh(quick_matrix_results, case_id):
     """The quick suite's matrix cases (policy_cases.QUICK_CASES) on a 1x2 mesh (kv heads split over 2

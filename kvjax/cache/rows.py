@@ -170,7 +170,7 @@ def empty_like(state: KVState, batch: int, max_pages: int, num_pages: int) -> KV
     L, _, H, _ = state.page_table.shape
     N, ps, D = num_pages, state.page_size, state.k_pages.shape[-1]
     meta = state.kmin.dtype
-    scales = None if state.k_scale is None else jnp.zeros((N, ps), jnp.float32)
+    quantized = state.k_scale is not None
     return KVState(
         k_pages=jnp.zeros((N, ps, D), state.k_pages.dtype), v_pages=jnp.zeros((N, ps, D), state.v_pages.dtype),
         kmin=jnp.full((N, D), jnp.inf, meta), kmax=jnp.full((N, D), -jnp.inf, meta),
@@ -179,7 +179,9 @@ def empty_like(state: KVState, batch: int, max_pages: int, num_pages: int) -> KV
         free_pages=jnp.arange(N - 1, -1, -1, dtype=jnp.int32), num_free=jnp.asarray(N, jnp.int32),
         refcount=jnp.zeros((N,), jnp.int32), next_position=jnp.zeros((batch,), jnp.int32),
         overflow=jnp.zeros((3,), jnp.int32), hole=jnp.full((L, batch, H), -1, jnp.int32),
-        k_scale=scales, v_scale=scales, long_rope=state.long_rope,
+        # two buffers, as init_state makes them: `insert_row` donates the state, and one buffer cannot be donated twice
+        k_scale=jnp.zeros((N, ps), jnp.float32) if quantized else None,
+        v_scale=jnp.zeros((N, ps), jnp.float32) if quantized else None, long_rope=state.long_rope,
     )
 
 
