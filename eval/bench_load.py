@@ -200,24 +200,44 @@ def run_soak(model, trace, args) -> dict:
             "lost": len(requests) - disconnected - len(done),
             "errors": [r["error"] for r in results if r["error"]][:5], "pages_leaked": int(leaked),
             "engine_restarts": restarts, "dispatches": engine.dispatches, "wall_s": wall,
+            "prefix_hit_rate": engine.prefix.stats.hit_rate if engine.prefix is not None else 0.0,
             "probes_same_under_load": [int(sum(under_load)), len(under_load)],
             "probes_same_after": [int(sum(a == b for a, b in zip(alone, after))), len(probes)]}
 
 
+def soak_failures(s: dict) -> list[str]:
+    """What a soak's counts (`run_soak`'s dict) show went wrong; empty when it held."""
+    checks = [(s["lost"], "requests lost"), (s["pages_leaked"], "pages leaked"),
+              (s["engine_restarts"], "engine restarts"),
+              (s["probes_same_under_load"][1] - s["probes_same_under_load"][0], "probes answered otherwise under load"),
+              (s["probes_same_after"][1] - s["probes_same_after"][0], "probes answered otherwise after")]
+    return [f"{n} {what}" for n, what in checks if n]
+
+
 def soak_table(payload: dict) -> str:
-    """`--soak`'s table (no speed: counts)."""
-    s = payload["soak"]
+    """`--soak`'s table (no speed: counts), a row per payload (one run's payload, or several: a model each)."""
+    payloads = payload if isinstance(payload, list) else [payload]
+    rows = []
+    for p in payloads:
+        s, trace = p["soak"], p["trace"]
+        hits = s.get("prefix_hit_rate")  # not counted by the first soaks
+        rows.append([p["model"], s["requests"], len(s["policies"]), p["concurrency"],
+                     "{}-{} / {}-{}".format(*trace["prompt_tokens"], *trace["output_tokens"]),
+                     f"{s['disconnected']} (server cancelled {s['server_cancelled']})", s["completed"], s["lost"],
+                     s["pages_leaked"], s["engine_restarts"], "{}/{}".format(*s["probes_same_under_load"]),
+                     "{}/{}".format(*s["probes_same_after"]),
+                     "not counted" if hits is None else f"{100 * hits:.0f}%"])
+    notes = [f"{p['model']}: policies {', '.join(p['soak']['policies'])} in turn; every {p['disconnect_every']}th "
+             f"client closes its stream after its first text; max_rows {p['max_rows']} per policy's batch, prefill "
+             f"chunk {p['chunk_size']}"
+             + (f", {p['steps_per_dispatch']} steps per dispatch" if "steps_per_dispatch" in p else "")
+             + f"; {p['soak']['wall_s'] / 60:.0f} min on shared cores "
+             "(not a speed figure)." for p in payloads]
     return markdown_table(
-        ["model", "requests", "policies", "clients", "disconnected mid-stream", "completed", "lost", "pages leaked",
-         "engine restarts", "probes as alone, under load", "probes as before, after"],
-        [[payload["model"], s["requests"], len(s["policies"]), payload["concurrency"],
-          f"{s['disconnected']} (server cancelled {s['server_cancelled']})", s["completed"], s["lost"],
-          s["pages_leaked"], s["engine_restarts"], "{}/{}".format(*s["probes_same_under_load"]),
-          "{}/{}".format(*s["probes_same_after"])]],
-    ) + (f"\nStreamed, greedy; policies {', '.join(s['policies'])} in turn; every {payload['disconnect_every']}th "
-         f"client closes its stream after its first text; prompts {payload['trace']['prompt_tokens'][0]}-"
-         f"{payload['trace']['prompt_tokens'][1]} tokens, outputs {payload['trace']['output_tokens'][0]}-"
-         f"{payload['trace']['output_tokens'][1]}; max_rows {payload['max_rows']} per policy's batch.\n")
+        ["model", "requests", "policies", "clients", "prompt / output tokens", "disconnected mid-stream", "completed",
+         "lost", "pages leaked", "engine restarts", "probes as alone, under load", "probes as before, after",
+         "prefix hits (prompt tokens)"], rows,
+    ) + "\nStreamed, greedy. " + " ".join(notes) + "\n"
 
 
 def run_sequential(model, trace, args) -> dict:
@@ -272,7 +292,10 @@ def plot(payload: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (`policy_options` parsed to (key, value) pairs)."""
+    from kvjax.policies.options import parse_policy_options
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--policy", default="full")
@@ -298,11 +321,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--disconnect-every", type=int, default=5)
     parser.add_argument("--probe-every", type=int, default=10)
     args = parser.parse_args(argv)
-
-    import kvjax
-    from kvjax.policies.options import parse_policy_options
-
     args.policy_options = tuple(parse_policy_options(args.policy, args.policy_option).items())
+    return args
+
+
+def main(argv=None) -> dict:
+    import kvjax
+
+    args = parse_args(argv)
     model = kvjax.load_model(args.model)
     trace = make_trace(args, model.cfg.vocab_size)
     if args.soak:
@@ -344,17 +370,16 @@ def main(argv=None) -> dict:
 def soak(model, trace, args) -> dict:
     payload = {"benchmark": "bench_load --soak", "machine": machine_info(), "model": args.model,
                "concurrency": args.concurrency, "max_rows": args.max_rows, "chunk_size": args.chunk_size,
-               "disconnect_every": args.disconnect_every, "probe_every": args.probe_every,
+               "steps_per_dispatch": args.steps_per_dispatch, "disconnect_every": args.disconnect_every,
+               "probe_every": args.probe_every,
                "trace": {"requests": args.requests, "prompt_tokens": [args.prompt_min, args.prompt_max],
                          "output_tokens": [args.output_min, args.output_max], "seed": args.seed},
                "soak": run_soak(model, trace, args)}
     table = soak_table(payload)
     write_outputs(args.out, f"bench_load_soak_{args.model.replace('-', '_')}", payload, table)
     print(table)
-    s = payload["soak"]
-    if s["lost"] or s["pages_leaked"] or s["engine_restarts"] or s["probes_same_after"][0] < len(s["policies"]) \
-            or s["probes_same_under_load"][0] < s["probes_same_under_load"][1]:
-        raise SystemExit(f"soak failed: {s}")
+    if soak_failures(payload["soak"]):
+        raise SystemExit(f"soak failed ({'; '.join(soak_failures(payload['soak']))}): {payload['soak']}")
     return payload
 
 

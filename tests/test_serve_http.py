@@ -172,3 +172,19 @@ def test_a_client_gone_mid_stream_stops_its_generation_and_frees_its_pages(model
     assert engine.leaked_pages == 0 and not any(b.pool.live_pages() for b in engine.batches.values())
     reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
     assert reply.choices[0].text == expected(model, ids, 12)
+
+
+def test_a_small_soak_loses_nothing_and_leaks_no_page(model):
+    """`eval/bench_load.py --soak` in small: 8 streamed requests from 4 clients over two policies, every
+    fourth client gone after its first text, probes alone before, under load and after: nothing lost, no
+    page held once idle, no engine restart, every probe answered as alone (the server's shapes are
+    `running`'s: its programs are compiled already)."""
+    from kvjax.eval.bench_load import make_trace, parse_args, run_soak, soak_failures
+
+    args = parse_args(["--soak", "--requests", "8", "--concurrency", "4", "--capacity", "1024", "--steps-per-dispatch",
+                       "4", "--prompt-min", "8", "--prompt-max", "40", "--output-min", "8", "--output-max", "12",
+                       "--soak-policies", "full", "quest:token_budget=64", "--disconnect-every", "4",
+                       "--probe-every", "4", "--timeout", "300"])
+    soak = run_soak(model, make_trace(args, model.cfg.vocab_size), args)
+    assert soak_failures(soak) == [] and soak["completed"] == 6 and soak["disconnected"] == 2, soak
+    assert soak["probes_same_under_load"][1] >= 2 and soak["server_cancelled"] >= 1, soak
