@@ -126,6 +126,8 @@ def run_load(model, trace, args) -> dict:
             "pages_leaked": int(leaked), "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
             "dispatches": engine.dispatches - dispatches_before,
             "prefix_hit_rate": engine.prefix.stats.hit_rate if engine.prefix is not None else 0.0,
+            "prefix_stats": None if engine.prefix is None else {**vars(engine.prefix.stats), "bytes": engine.prefix.bytes,
+                                                                "entries": len(engine.prefix)},
             "memory": paging_waste(engine.memory_samples, engine.page_size)}
 
 
@@ -201,6 +203,8 @@ def run_soak(model, trace, args) -> dict:
             "errors": [r["error"] for r in results if r["error"]][:5], "pages_leaked": int(leaked),
             "engine_restarts": restarts, "dispatches": engine.dispatches, "wall_s": wall,
             "prefix_hit_rate": engine.prefix.stats.hit_rate if engine.prefix is not None else 0.0,
+            "prefix_stats": None if engine.prefix is None else {**vars(engine.prefix.stats), "bytes": engine.prefix.bytes,
+                                                                "entries": len(engine.prefix)},
             "probes_same_under_load": [int(sum(under_load)), len(under_load)],
             "probes_same_after": [int(sum(a == b for a, b in zip(alone, after))), len(probes)]}
 
@@ -227,17 +231,18 @@ def soak_table(payload: dict) -> str:
                      s["pages_leaked"], s["engine_restarts"], "{}/{}".format(*s["probes_same_under_load"]),
                      "{}/{}".format(*s["probes_same_after"]),
                      "not counted" if hits is None else f"{100 * hits:.0f}%"])
-    notes = [f"{p['model']}: policies {', '.join(p['soak']['policies'])} in turn; every {p['disconnect_every']}th "
-             f"client closes its stream after its first text; max_rows {p['max_rows']} per policy's batch, prefill "
-             f"chunk {p['chunk_size']}"
-             + (f", {p['steps_per_dispatch']} steps per dispatch" if "steps_per_dispatch" in p else "")
-             + f"; {p['soak']['wall_s'] / 60:.0f} min on shared cores "
-             "(not a speed figure)." for p in payloads]
+    setups = sorted({(", ".join(p["soak"]["policies"]), p["disconnect_every"], p["max_rows"]) for p in payloads})
+    common = " ".join(f"Policies {pol} in turn; every {every}th client closes its stream after its first text; "
+                      f"max_rows {rows} per policy's batch." for pol, every, rows in setups)
+    runs = "; ".join(f"{p['model']}, prompts {p['trace']['prompt_tokens'][0]}-{p['trace']['prompt_tokens'][1]}: "
+                     f"prefill chunk {p['chunk_size']}"
+                     + (f", {p['steps_per_dispatch']} steps per dispatch" if "steps_per_dispatch" in p else "")
+                     + f", {p['soak']['wall_s'] / 60:.0f} min" for p in payloads)
     return markdown_table(
         ["model", "requests", "policies", "clients", "prompt / output tokens", "disconnected mid-stream", "completed",
          "lost", "pages leaked", "engine restarts", "probes as alone, under load", "probes as before, after",
          "prefix hits (prompt tokens)"], rows,
-    ) + "\nStreamed, greedy. " + " ".join(notes) + "\n"
+    ) + f"\nStreamed, greedy. {common} {runs} (on shared cores: not a speed figure).\n"
 
 
 def run_sequential(model, trace, args) -> dict:
