@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kvjax
 from conftest import random_tokens
@@ -59,3 +60,30 @@ def test_label_table_labels_are_compute_targets_labels():
         for b, n in enumerate(map(len, contexts)):
             np.testing.assert_allclose(got[:, b, :, :n], np.moveaxis(want[:, b, :n], -1, 1), rtol=1e-4, atol=1e-4)
             assert np.all(np.isneginf(got[:, b, :, n:]))
+
+
+@pytest.mark.heavy  # two tiny-model Locret prefills, about 10 s
+def test_recorded_locret_reports_scores_and_kept_slots_as_evicted():
+    """`recorded_prefill` (the chunk trace's Locret) reports a score for every token and, after each chunk, the
+    slots kept, the last of them the state's; one eviction of a single chunk's scores (`one_eviction`, the
+    trace's ranking) keeps exactly what the engine's pooled eviction kept."""
+    from kvjax.eval.lib.locret_labels import recorded_prefill
+    from kvjax.eval.trace_needle import one_eviction
+
+    model = kvjax.load_model("tiny")
+    context = np.random.default_rng(4).integers(3, 120, 90).tolist()
+    evicted = len(context) - TAIL
+    policy = kvjax.make_policy("locret", heads="tiny", token_budget=BUDGET, stabilizers=STABLE, local_tail=TAIL,
+                               pool="all", head_cap=2, sink_size=2)
+    for chunk, seen in ((32, [32, 64, evicted]), (96, [evicted])):
+        state, _, scores, after = recorded_prefill(model, policy, context, 4, chunk)
+        assert list(after) == seen and not np.isnan(scores).any()
+        kept = kept_positions(state)
+        last = after[evicted]
+        for layer in range(model.cfg.num_layers):
+            for h in range(model.cfg.num_kv_heads):
+                assert set(last[layer][h].tolist()) == set(kept[layer][0][h].tolist()) - set(range(evicted, len(context)))
+    keep = one_eviction(scores[:, :evicted], policy)  # the single chunk's
+    for layer in range(model.cfg.num_layers):
+        for h in range(model.cfg.num_kv_heads):
+            assert set(np.flatnonzero(keep[layer, :, h]).tolist()) == set(last[layer][h].tolist()), (layer, h)

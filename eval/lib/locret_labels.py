@@ -1,5 +1,6 @@
 """Locret scored by its oracle labels: each context token's label against the question and gold answer
-(`kvjax.locret.labels`), and the Locret policy that evicts by those labels instead of its heads' predictions."""
+(`kvjax.locret.labels`), the Locret policy that evicts by those labels instead of its heads' predictions,
+and a Locret that reports each appended token's score and each chunk's kept slots to the host (traces)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,64 @@ class LabelScoredLocret(Locret):
     @property
     def chunks(self) -> ChunkSchedule:
         return ChunkSchedule(tail=self.local_tail, score=with_sinks(label_scores, self.sink_size), params=self.labels)
+
+
+# what `RecordedLocret`'s host callbacks report, row 0 only; one recorded prefill at a time (`recorded_prefill`)
+RECORD: dict = {"scores": [], "kept": []}
+
+
+def _on_score(layer, positions, scores):
+    RECORD["scores"].append((int(layer), np.asarray(positions), np.asarray(scores)))
+
+
+def _on_keep(layer, seen, slot_pos, keep):
+    RECORD["kept"].append((int(layer), int(seen), [p[k[k >= 0]] for p, k in zip(np.asarray(slot_pos), np.asarray(keep))]))
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedLocret(Locret):
+    """Locret (its heads, its eviction) that reports row 0 to the host as it prefills: every appended token's
+    score (`RECORD["scores"]`: layer, positions int[C], scores f32[C, H]) and every chunk's eviction
+    (`RECORD["kept"]`: layer, tokens seen so far, kept positions per kv head). `recorded_prefill` reads them."""
+
+    @property
+    def chunks(self) -> ChunkSchedule:
+        inner = super().chunks
+
+        def score(layer, inputs, params):
+            scores = inner.score(layer, inputs, params)
+            jax.debug.callback(_on_score, layer, inputs.positions[0], scores[0])
+            return scores
+
+        return inner._replace(score=score)
+
+    def compress_layer(self, view, keep_bound: int):
+        keep, budgets = super().compress_layer(view, keep_bound)
+        jax.debug.callback(_on_keep, view.layer, view.next_position[0], view.slot_pos[0], keep[0])
+        return keep, budgets
+
+
+def recorded_prefill(model, policy: Locret, context, reserve: int, chunk_size: int):
+    """`(state, logits, scores f32[L, T, H], kept {tokens seen: [layer][kv head] -> positions})` of one row
+    `context` (T tokens, the local tail's scores included) prefilled by `policy` (a Locret, its options kept)
+    in chunks of `chunk_size`."""
+    from .retrieval import policy_state
+
+    fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(Locret)}
+    recorded = RecordedLocret(**fields)
+    RECORD["scores"].clear()
+    RECORD["kept"].clear()
+    state, logits = policy_state(model, None, recorded, [context], reserve, chunk_size=chunk_size)
+    jax.effects_barrier()
+    T, L = len(context), model.cfg.num_layers
+    scores = np.full((L, T, model.cfg.num_kv_heads), np.nan, np.float32)
+    for layer, positions, values in RECORD["scores"]:
+        real = positions < T  # a padded chunk's rows past the prompt
+        scores[layer, positions[real]] = values[real]
+    kept: dict = {}
+    for layer, seen, per_head in RECORD["kept"]:
+        kept.setdefault(seen, [None] * L)[layer] = per_head
+    return state, logits, scores, dict(sorted(kept.items()))
 
 
 # compiled once per (cfg, dtype, chunk, shapes), not once per call
