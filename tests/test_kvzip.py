@@ -105,6 +105,30 @@ def test_options_and_shared_prefill_refusal(tiny):
     assert retrieval.compresses_in_prefill(kvjax.make_policy("kvzip"))  # the sweep prefills it on its own
 
 
+@pytest.mark.heavy  # three KVzip prefills of the tiny model, about 20 s
+def test_budgets_share_one_scoring_pass(tiny, monkeypatch):
+    """The sweep's KVzip cells that differ in their budget alone share one prefill and one scoring pass
+    (`retrieval.scored_states`), each state equal to the policy's own prefill (kept slots and logits)."""
+    from kvjax.engine import reconstruction
+    from kvjax.eval.lib import retrieval
+
+    policies = {b: kvjax.make_policy("kvzip", token_budget=b, chunk=40) for b in (12, 20)}
+    policies["head"] = kvjax.make_policy("kvzip", token_budget=12, chunk=40, pool="head")
+    assert retrieval.scoring_groups(policies) == [[12, 20]]
+    passes = []
+    scores = reconstruction.reconstruction_scores
+    monkeypatch.setattr(reconstruction, "reconstruction_scores", lambda *a: passes.append(1) or scores(*a))
+    shared = dict(retrieval.scored_states(tiny, {b: policies[b] for b in (12, 20)}, ROWS, 4))
+    assert len(passes) == 1
+    for budget in (12, 20):
+        want, want_logits = retrieval.policy_state(tiny, None, policies[budget], ROWS, 4)
+        got, got_logits = shared[budget]
+        np.testing.assert_array_equal(np.asarray(got_logits), np.asarray(want_logits))
+        for mine, theirs in zip(kept_positions(got), kept_positions(want)):
+            for row_mine, row_theirs in zip(mine, theirs):
+                assert [h.tolist() for h in row_mine] == [h.tolist() for h in row_theirs], budget
+
+
 @pytest.mark.kvpress
 @pytest.mark.heavy  # kvpress's own venv and model runs: CI builds it and runs the whole set
 @pytest.mark.skipif(not os.path.exists(PYTHON), reason="no kvpress venv: python -m eval.kvpress_crosscheck --setup")

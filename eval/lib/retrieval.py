@@ -15,12 +15,16 @@ papers do: Quest's first-integer match for the passkey, RULER's string_match_all
 multi-value sample scores the share of its values found).
 
 `answer_shared` answers one batch under many policies with one full prefill (`kvjax.engine.shared_prefill`): each
-policy that compresses after prefill is derived from a copy of that state, equal to its own prefill.
+policy that compresses after prefill is derived from a copy of that state, equal to its own prefill; policies
+that score the prompt in a pass of their own (KVzip) and differ in their budget alone share one prefill and one
+scoring pass (`scored_states`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -166,13 +170,52 @@ def answer_shared(model, policies: dict, samples: Sequence, task: str, n_tokens:
     if shareable:
         shared = shared_prefill(model, contexts, list(shareable.values()), reserve_tokens=reserve,
                                 page_size=page_size, chunk_size=chunk_size)
-    for key, policy in policies.items():
-        state, logits = policy_state(model, shared, policy, contexts, reserve, page_size, chunk_size)
-        tokens = continue_rows(model, state, logits, questions, max_new, policy)
+    states = ((key, policy_state(model, shared, policies[key], contexts, reserve, page_size, chunk_size)) for key in
+              policies if not any(key in group for group in scoring_groups(policies)))
+    for group in scoring_groups(policies):
+        states = itertools.chain(states, scored_states(model, {k: policies[k] for k in group}, contexts, reserve,
+                                                       page_size, chunk_size))
+    for key, (state, logits) in states:  # one state at a time
+        tokens = continue_rows(model, state, logits, questions, max_new, policies[key])
         out[key] = [score_sample(model, s, task, n_tokens, row) for s, row in zip(samples, np.asarray(tokens))]
         if progress is not None:
             progress.update(1)
-    return out
+    return {key: out[key] for key in policies}
+
+
+def scoring_groups(policies: dict) -> list[list]:
+    """Keys of `policies` ({key: Policy}) that score the prompt in a pass of their own (KVzip) and differ in
+    `token_budget` alone, grouped (groups of two or more): their scores do not depend on the budget."""
+    groups: dict = {}
+    for key, policy in policies.items():
+        compressor = policy.compressor
+        if compressor is policy and compressor.scoring_pass is not None and policy.selector is None:
+            groups.setdefault(dataclasses.replace(policy, token_budget=0), []).append(key)
+    return [keys for keys in groups.values() if len(keys) > 1]
+
+
+def scored_states(model, policies: dict, contexts, reserve: int, page_size: int = 16, chunk_size: int = 512):
+    """Yields `(key, (state, logits))` for each of `policies` (a `scoring_groups` group), each equal to its own
+    prefill (`policy_state`) but from one prefill and one scoring pass: each policy pools the scores its own way
+    and compresses a copy of the scored state (the last policy the state itself)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.engine.api import as_token_lists
+    from kvjax.engine.generation import PrefillPlan, compress_prefilled, prefill_chunk_steps, run_to_end
+    from kvjax.engine.reconstruction import reconstruction_scores, score_slots
+
+    first = next(iter(policies.values()))
+    rows = as_token_lists(contexts, model.cfg.vocab_size)
+    plan = PrefillPlan.for_prompts(first, max(map(len, rows)), reserve, None, page_size, chunk_size)
+    state, last_queries, logits = run_to_end(prefill_chunk_steps(model, rows, plan))
+    state, scores = reconstruction_scores(model, state, rows, first.compressor.scoring_pass)
+    keys = list(policies)
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        mine = score_slots(state if last else jax.tree.map(jnp.copy, state), scores, policy=policies[key])
+        mine = compress_prefilled(model, mine, last_queries, policies[key], [len(r) for r in rows], reserve)
+        yield key, (mine, logits if last else jnp.copy(logits))
 
 
 def run_task(model, policy, task: str, n_tokens: int, num_samples: int, seed: int = 0, num_records: int = 4,
