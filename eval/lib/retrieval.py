@@ -198,12 +198,10 @@ def scored_states(model, policies: dict, contexts, reserve: int, page_size: int 
     """Yields `(key, (state, logits))` for each of `policies` (a `scoring_groups` group), each equal to its own
     prefill (`policy_state`) but from one prefill and one scoring pass: each policy pools the scores its own way
     and compresses a copy of the scored state (the last policy the state itself)."""
-    import jax
-    import jax.numpy as jnp
-
     from kvjax.engine.api import as_token_lists
     from kvjax.engine.generation import PrefillPlan, compress_prefilled, prefill_chunk_steps, run_to_end
     from kvjax.engine.reconstruction import reconstruction_scores, score_slots
+    from kvjax.util.trees import copied
 
     first = next(iter(policies.values()))
     rows = as_token_lists(contexts, model.cfg.vocab_size)
@@ -213,9 +211,9 @@ def scored_states(model, policies: dict, contexts, reserve: int, page_size: int 
     keys = list(policies)
     for i, key in enumerate(keys):
         last = i == len(keys) - 1
-        mine = score_slots(state if last else jax.tree.map(jnp.copy, state), scores, policy=policies[key])
+        mine = score_slots(state if last else copied(state), scores, policy=policies[key])
         mine = compress_prefilled(model, mine, last_queries, policies[key], [len(r) for r in rows], reserve)
-        yield key, (mine, logits if last else jnp.copy(logits))
+        yield key, (mine, logits if last else copied(logits))
 
 
 def run_task(model, policy, task: str, n_tokens: int, num_samples: int, seed: int = 0, num_records: int = 4,
