@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.compaction import push_free
-from kvjax.cache.state import OVERFLOW_NONE, OVERFLOW_POOL, KeySketch, KVState
+from kvjax.cache.state import EMPTY_PAGE, OVERFLOW_NONE, OVERFLOW_POOL, KeySketch, KVState
 
 # per-page fields copied with a page (the scales only exist for int8 pages)
 _PAGE_FIELDS = ("k_pages", "v_pages", "kmin", "kmax", "slot_pos", "slot_score", "k_scale", "v_scale")
@@ -173,8 +173,8 @@ def empty_like(state: KVState, batch: int, max_pages: int, num_pages: int) -> KV
     quantized = state.k_scale is not None
     return KVState(
         k_pages=jnp.zeros((N, ps, D), state.k_pages.dtype), v_pages=jnp.zeros((N, ps, D), state.v_pages.dtype),
-        kmin=jnp.full((N, D), jnp.inf, meta), kmax=jnp.full((N, D), -jnp.inf, meta),
-        slot_pos=jnp.full((N, ps), -1, jnp.int32), slot_score=jnp.zeros((N, ps), jnp.float32),
+        kmin=jnp.full((N, D), EMPTY_PAGE["kmin"], meta), kmax=jnp.full((N, D), EMPTY_PAGE["kmax"], meta),
+        slot_pos=jnp.full((N, ps), EMPTY_PAGE["slot_pos"], jnp.int32), slot_score=jnp.zeros((N, ps), jnp.float32),
         page_table=jnp.full((L, batch, H, max_pages), -1, jnp.int32), lengths=jnp.zeros((L, batch, H), jnp.int32),
         free_pages=jnp.arange(N - 1, -1, -1, dtype=jnp.int32), num_free=jnp.asarray(N, jnp.int32),
         refcount=jnp.zeros((N,), jnp.int32), next_position=jnp.zeros((batch,), jnp.int32),
