@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.compaction import push_free
-from kvjax.cache.state import EMPTY_PAGE, OVERFLOW_NONE, OVERFLOW_POOL, KeySketch, KVState
+from kvjax.cache.state import OVERFLOW_NONE, OVERFLOW_POOL, KeySketch, KVState, _empty_state
 
 # per-page fields copied with a page (the scales only exist for int8 pages)
 _PAGE_FIELDS = ("k_pages", "v_pages", "kmin", "kmax", "slot_pos", "slot_score", "k_scale", "v_scale")
@@ -168,21 +168,9 @@ def empty_like(state: KVState, batch: int, max_pages: int, num_pages: int) -> KV
     """An empty state with `state`'s layers, heads, page size and page dtype, for `batch` sequences of
     `max_pages` logical pages per (layer, head) on a pool of `num_pages` pages."""
     L, _, H, _ = state.page_table.shape
-    N, ps, D = num_pages, state.page_size, state.k_pages.shape[-1]
-    meta = state.kmin.dtype
-    quantized = state.k_scale is not None
-    return KVState(
-        k_pages=jnp.zeros((N, ps, D), state.k_pages.dtype), v_pages=jnp.zeros((N, ps, D), state.v_pages.dtype),
-        kmin=jnp.full((N, D), EMPTY_PAGE["kmin"], meta), kmax=jnp.full((N, D), EMPTY_PAGE["kmax"], meta),
-        slot_pos=jnp.full((N, ps), EMPTY_PAGE["slot_pos"], jnp.int32), slot_score=jnp.zeros((N, ps), jnp.float32),
-        page_table=jnp.full((L, batch, H, max_pages), -1, jnp.int32), lengths=jnp.zeros((L, batch, H), jnp.int32),
-        free_pages=jnp.arange(N - 1, -1, -1, dtype=jnp.int32), num_free=jnp.asarray(N, jnp.int32),
-        refcount=jnp.zeros((N,), jnp.int32), next_position=jnp.zeros((batch,), jnp.int32),
-        overflow=jnp.zeros((3,), jnp.int32), hole=jnp.full((L, batch, H), -1, jnp.int32),
-        # two buffers, as init_state makes them: `insert_row` donates the state, and one buffer cannot be donated twice
-        k_scale=jnp.zeros((N, ps), jnp.float32) if quantized else None,
-        v_scale=jnp.zeros((N, ps), jnp.float32) if quantized else None, long_rope=state.long_rope,
-    )
+    # init_state's one program (its k_scale and v_scale two buffers: `insert_row` donates the state)
+    return _empty_state(num_pages, state.page_size, state.k_pages.shape[-1], L, batch, H, max_pages,
+                        state.k_pages.dtype, state.kmin.dtype, state.k_scale is not None, state.long_rope)
 
 
 def narrow_row(state: KVState) -> KVState:

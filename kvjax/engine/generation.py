@@ -356,7 +356,7 @@ def continue_rows(
             step=backend.append_token, steps=steps_per_dispatch, cfg=model.cfg, dtype=model.dtype, policy=policy,
             temperature=temperature, top_k=top_k, top_p=top_p,
         )
-        if feed is not None:  # later dispatches feed nothing, through the same program
+        if feed is not None and t == 0:  # later dispatches feed nothing, through the same program
             feed = (feed[0], backend.put(np.zeros(B, np.int32)))
         state, logits, pending, key, done_device = run.state, run.logits, run.pending, run.key, run.done
         count = int(run.count)
